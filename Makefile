@@ -1,0 +1,36 @@
+# Everything a fresh machine needs: `make demo` and `make test` create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of PyTorch; installed before the project so pip never pulls a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+PYTEST := $(PY) -m pytest
+
+.PHONY: setup test test-all bench demo proto clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+# Fast suite (CI): unit + integration + e2e, without `slow` and `gpu` tests.
+test: $(STAMP)
+	$(PYTEST) -q -m "not slow and not gpu" tests
+
+# Everything that runs on this machine, slow tests included.
+test-all: $(STAMP)
+	$(PYTEST) -q -m "not gpu" tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/rollout_throughput.py
+
+demo: $(STAMP)
+	$(PY) -m rollout_engine.demo
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache

@@ -1,0 +1,163 @@
+"""Engine configuration: one frozen dataclass per concern, grouped in `EngineConfig`.
+
+Values discovered at run time (number of KV blocks, model length, EOS ids) live in
+`RuntimeLimits`, never written back into these configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to load and where to run it."""
+
+    model: str
+    """Path to a Hugging Face model directory (config.json + safetensors + tokenizer)."""
+    dtype: DType = "auto"
+    """Weight/activation dtype; "auto" takes the checkpoint's `torch_dtype` (float32 on CPU)."""
+    device: str = "cpu"
+    """Torch device string: "cpu" or "cuda[:i]"."""
+    seed: int = 0
+    """Seed of the engine's random stream (requests without their own seed use it)."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model), "model must be a model directory path")
+        _require(
+            self.dtype in ("auto", "float32", "float16", "bfloat16"),
+            f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The token ledger's limits (see DESIGN.md, "The token ledger")."""
+
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step: positions computed across all requests."""
+    max_num_seqs: int = 256
+    """Maximum number of running requests."""
+    max_model_len: int | None = None
+    """Prompt + output length cap; None takes the model's max_position_embeddings."""
+    long_prefill_token_threshold: int = 0
+    """If > 0, a prompt chunk is at most this many tokens per step (fairness to decodes)."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _require(
+            self.max_model_len is None or self.max_model_len >= 2,
+            f"max_model_len must be >= 2 or None, got {self.max_model_len}",
+        )
+        _require(
+            self.long_prefill_token_threshold >= 0,
+            "long_prefill_token_threshold must be >= 0 (0 turns it off)",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int | None = None
+    """Number of KV blocks; None derives it from kv_cache_bytes."""
+    kv_cache_bytes: int = 256 * 1024**2
+    """Bytes of the KV pool when num_blocks is None."""
+    enable_prefix_caching: bool = True
+    """Reuse KV of identical full prompt blocks across requests."""
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, "block_size must be >= 1")
+        _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks must be >= 1")
+        _require(self.kv_cache_bytes >= 1, "kv_cache_bytes must be >= 1")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """N-gram (prompt lookup) speculative decoding."""
+
+    num_speculative_tokens: int = 0
+    """Draft tokens proposed per step; 0 turns speculative decoding off."""
+    prompt_lookup_min: int = 2
+    """Shortest suffix n-gram to match."""
+    prompt_lookup_max: int = 5
+    """Longest suffix n-gram to match."""
+    disable_by_batch_size: int = 32
+    """Stop drafting when more than this many requests are running."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_speculative_tokens >= 0, "num_speculative_tokens must be >= 0")
+        _require(self.prompt_lookup_min >= 1, "prompt_lookup_min must be >= 1")
+        _require(
+            self.prompt_lookup_max >= self.prompt_lookup_min,
+            "prompt_lookup_max must be >= prompt_lookup_min",
+        )
+        _require(self.disable_by_batch_size >= 1, "disable_by_batch_size must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_speculative_tokens > 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs, grouped by concern."""
+
+    model_config: ModelConfig
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Build from flat field names, as in `LLM(model, max_num_batched_tokens=...)`."""
+        groups: dict[str, dict[str, Any]] = {name: {} for name in _GROUPS}
+        for key, value in kwargs.items():
+            owner = _FIELD_OWNER.get(key)
+            if owner is None:
+                raise TypeError(
+                    f"unknown engine option {key!r}; valid options: {sorted(_FIELD_OWNER)}"
+                )
+            groups[owner][key] = value
+        return cls(
+            model_config=ModelConfig(model=model, **groups["model_config"]),
+            scheduler_config=SchedulerConfig(**groups["scheduler_config"]),
+            cache_config=CacheConfig(**groups["cache_config"]),
+            speculative_config=SpeculativeConfig(**groups["speculative_config"]),
+        )
+
+
+@dataclass(frozen=True)
+class RuntimeLimits:
+    """Values known only once the model and KV pool exist."""
+
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+_GROUPS: dict[str, type] = {
+    "model_config": ModelConfig,
+    "scheduler_config": SchedulerConfig,
+    "cache_config": CacheConfig,
+    "speculative_config": SpeculativeConfig,
+}
+_FIELD_OWNER: dict[str, str] = {
+    f.name: group
+    for group, klass in _GROUPS.items()
+    for f in dataclasses.fields(klass)
+    if f.name != "model"
+}

@@ -1,0 +1,78 @@
+"""The offline API: `LLM(model_dir, **options).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from rollout_engine.config import EngineConfig
+from rollout_engine.errors import InvalidRequestError
+from rollout_engine.llm_engine import LLMEngine
+from rollout_engine.outputs import RequestOutput
+from rollout_engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate from a Hugging Face model directory in this process."""
+
+    def __init__(self, model: str, **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order; `outputs[i].outputs[j]` is sample j."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        params = _per_prompt_params(sampling_params, len(prompts))
+        request_ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        try:
+            for request_id, prompt, p in zip(request_ids, prompts, params):
+                self.engine.add_request(request_id, prompt, p)
+        except Exception:
+            self.engine.abort_request(request_ids)
+            self._drain(set(request_ids))
+            raise
+        return self._run(request_ids, sum(p.n for p in params), use_tqdm)
+
+    def _run(self, request_ids: list[str], num_completions: int, use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
+        with tqdm(total=num_completions, desc="generate", unit="seq", disable=not use_tqdm) as bar:
+            while pending:
+                for output in self.engine.step():
+                    if output.finished and output.request_id in pending:
+                        finished[output.request_id] = output
+                        pending.discard(output.request_id)
+                        bar.update(len(output.outputs))
+        return [finished[rid] for rid in request_ids]
+
+    def _drain(self, request_ids: set[str]) -> None:
+        """Collect the abort outputs of requests we gave up on."""
+        while request_ids & set(self.engine._groups):
+            self.engine.step()
+
+
+def _per_prompt_params(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if len(sampling_params) != num_prompts:
+        raise InvalidRequestError(
+            f"got {len(sampling_params)} SamplingParams for {num_prompts} prompts"
+        )
+    return list(sampling_params)

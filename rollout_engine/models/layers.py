@@ -1,0 +1,83 @@
+"""Building blocks shared by the decoder families: RMSNorm, rotary embedding, MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Hugging Face's RMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for the config's RoPE type."""
+    rope = dict(config.rope_parameters or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        base = rope["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv_freq, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type in ("dynamic", "longrope"):
+        raise ValueError(f"unsupported rope_type {rope_type!r}")
+    return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables, indexed by position (a non-parameter buffer)."""
+
+    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        self.config, self.head_dim, self.max_positions = config, head_dim, max_positions
+        self.register_buffer("cos_sin", self._build(), persistent=False)
+
+    def _build(self) -> torch.Tensor:
+        inv_freq, scaling = rope_inv_freq(self.config, self.head_dim)
+        positions = torch.arange(self.max_positions, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        return torch.stack((emb.cos() * scaling, emb.sin() * scaling))  # [2, P, head_dim]
+
+    def rebuild(self) -> None:
+        """Recompute the table in place (after its memory was released)."""
+        self.cos_sin.copy_(self._build().to(self.cos_sin))
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, Hkv, D], positions: [T]."""
+        cos = self.cos_sin[0, positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.cos_sin[1, positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

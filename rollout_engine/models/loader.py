@@ -1,0 +1,121 @@
+"""Loads a Hugging Face model directory (config + safetensors) into our decoder."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from rollout_engine.errors import ModelLoadError
+from rollout_engine.models.decoder import ARCHITECTURES, DecoderForCausalLM
+
+# Allocates a parameter's storage: (shape, dtype) -> tensor. The memory manager passes
+# one that carves views out of its weights pool.
+Allocator = Callable[[torch.Size, torch.dtype], torch.Tensor]
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Checkpoint entries that are not parameters of ours.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_hf_config(model_dir: str):
+    """The checkpoint's transformers config; ModelLoadError if missing or unsupported."""
+    if not os.path.isdir(model_dir):
+        raise ModelLoadError(f"model directory {model_dir!r} does not exist")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ModelLoadError(f"{model_dir!r} has no config.json; is it a Hugging Face model dir?")
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelLoadError(f"cannot read the config in {model_dir!r}: {exc}") from exc
+    architecture = (getattr(config, "architectures", None) or ["?"])[0]
+    if architecture not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture {architecture!r} in {model_dir!r}; "
+            f"supported: {sorted(ARCHITECTURES)}"
+        )
+    return config
+
+
+def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
+    """"auto" takes the checkpoint's dtype on GPU and float32 on CPU."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(checkpoint_dtype, str):
+        checkpoint_dtype = _DTYPES.get(checkpoint_dtype, torch.float32)
+    return checkpoint_dtype or torch.bfloat16
+
+
+def build_model(
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    allocate: Allocator | None = None,
+) -> DecoderForCausalLM:
+    """An uninitialised model whose parameters live where `allocate` puts them."""
+    with torch.device("meta"):
+        model = DecoderForCausalLM(hf_config, max_positions)
+    if allocate is None:
+        allocate = lambda shape, dt: torch.empty(shape, dtype=dt, device=device)  # noqa: E731
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                module._parameters[name] = nn.Parameter(
+                    allocate(param.shape, dtype), requires_grad=False
+                )
+    rotary = model.model.rotary_emb
+    rotary.cos_sin = torch.empty(rotary.cos_sin.shape, dtype=torch.float32, device=device)
+    rotary.rebuild()
+    return model.eval()
+
+
+def parameter_nbytes(hf_config, dtype: torch.dtype, alignment: int = 256) -> int:
+    """Bytes the model's parameters need, each rounded up to `alignment`."""
+    with torch.device("meta"):
+        model = DecoderForCausalLM(hf_config, max_positions=1)
+    size = torch.tensor([], dtype=dtype).element_size()
+    return sum(-(-p.numel() * size // alignment) * alignment for p in model.parameters())
+
+
+def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of every safetensors file in the directory."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors files in {model_dir!r}")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: DecoderForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into the parameters of the same name; all must be present."""
+    params = dict(model.named_parameters())
+    missing = set(params)
+    for name, tensor in weights:
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and name not in params):
+            continue
+        param = params.get(name)
+        if param is None:
+            raise ModelLoadError(f"checkpoint tensor {name!r} matches no parameter of the model")
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ModelLoadError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(tensor)
+        missing.discard(name)
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks parameters: {sorted(missing)[:8]}")

@@ -1,0 +1,86 @@
+"""What moves between the scheduler, the model runner and the user."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rollout_engine.request import FinishReason
+from rollout_engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's work in a step, as the model runner needs it."""
+
+    request_id: str
+    input_token_ids: list[int]
+    """Tokens at positions [start_position, start_position + n), drafts last."""
+    start_position: int
+    """`num_computed_tokens` before this step: the position of the first input token."""
+    block_ids: list[int]
+    """The request's whole block table."""
+    num_spec_tokens: int
+    """How many of the input tokens are drafts."""
+    needs_sample: bool
+    """True when the input reaches the last committed token, so the step yields tokens."""
+    sampling_params: SamplingParams
+    sample_index: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    """References to the request's lists (read-only for the runner), for penalties."""
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the model runner needs for one step; the scheduler's only message to it."""
+
+    scheduled_requests: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+    """Requests that ended since the last step; the runner drops their state."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per request: the accepted drafts plus one token sampled by the target model."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[float]] | None = None
+    """The fp32 logprob of each sampled token under the distribution sampled from."""
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason | None = None
+    text: str = ""
+    weight_version: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """All completions of one prompt; `outputs[j]` is sample j."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)

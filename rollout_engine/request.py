@@ -1,0 +1,88 @@
+"""One completion being generated: its tokens and its place in the token ledger."""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+from rollout_engine.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    """A single sequence (one of a prompt's `n` samples) as the scheduler sees it.
+
+    The ledger: `num_tokens` counts prompt + committed output tokens,
+    `num_computed_tokens` counts positions whose KV is written or scheduled to be
+    written, and `spec_token_ids` are draft tokens proposed for the next step.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        group_id: str | None = None,
+        sample_index: int = 0,
+        arrival_index: int = 0,
+    ) -> None:
+        assert len(prompt_token_ids) > 0, "a request needs at least one prompt token"
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.group_id = group_id if group_id is not None else request_id
+        """Requests sampled from the same prompt share a group (a GRPO group)."""
+        self.sample_index = sample_index
+        self.arrival_index = arrival_index
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.spec_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.block_hashes: list[int] = []
+        """Chained hashes of this request's full committed blocks (prefix caching)."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int, logprob: float | None) -> None:
+        self.all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, "
+            f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens}, "
+            f"spec={self.spec_token_ids})"
+        )

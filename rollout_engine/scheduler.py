@@ -1,0 +1,261 @@
+"""The token ledger: decides, each step, how many positions each request computes. No torch.
+
+See DESIGN.md "The token ledger". There is no prefill or decode phase: every request
+asks for `num_tokens_with_spec - num_computed_tokens` positions and gets what the token
+budget and the KV pool allow.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from rollout_engine.config import CacheConfig, RuntimeLimits, SchedulerConfig, SpeculativeConfig
+from rollout_engine.errors import InvalidRequestError, OutOfBlocksError
+from rollout_engine.kv_cache_manager import KVCacheManager, cdiv
+from rollout_engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from rollout_engine.request import FinishReason, Request, RequestStatus
+
+
+class Scheduler:
+    """Owns the waiting and running queues, the KV cache manager and preemption."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        speculative_config: SpeculativeConfig | None = None,
+        limits: RuntimeLimits | None = None,
+    ) -> None:
+        num_blocks = limits.num_blocks if limits else cache_config.num_blocks
+        max_model_len = limits.max_model_len if limits else scheduler_config.max_model_len
+        if num_blocks is None or max_model_len is None:
+            raise ValueError("pass RuntimeLimits, or set cache num_blocks and max_model_len")
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(limits.eos_token_ids if limits else ())
+        spec_enabled = speculative_config is not None and speculative_config.enabled
+        self.num_draft_slots = speculative_config.num_speculative_tokens if spec_enabled else 0
+        if scheduler_config.max_num_batched_tokens <= 2 * self.num_draft_slots:
+            raise ValueError(
+                f"max_num_batched_tokens ({scheduler_config.max_num_batched_tokens}) must exceed "
+                f"2 * num_speculative_tokens ({self.num_draft_slots}); raise the token budget"
+            )
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_request_ids: list[str] = []
+        self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0
+
+    # ------------------------------------------------------------------ requests in and out
+    def add_request(self, request: Request) -> None:
+        """Queue a request; refuses one that could never fit the model or the KV pool."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self._check_fits(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason = "abort") -> None:
+        """End requests from outside (abort); unknown or finished ids are ignored."""
+        ids = {rid for rid in request_ids if rid in self.requests}
+        if not ids:
+            return
+        self.running = [r for r in self.running if r.request_id not in ids]
+        self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+        for request_id in ids:
+            self._finish(self.requests[request_id], reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        """Hand out this step's token budget: running requests first, then waiting ones."""
+        output = SchedulerOutput(finished_request_ids=self._finished_request_ids)
+        self._finished_request_ids = []
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(output, budget)
+        if not output.preempted_request_ids:
+            self._schedule_waiting(output, budget)
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Commit sampled tokens, roll back rejected drafts, finish stopped requests.
+
+        Returns the requests that received tokens or finished in this step.
+        """
+        updated: list[Request] = []
+        for scheduled in scheduler_output.scheduled_requests:
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            sampled = runner_output.sampled_token_ids.get(request.request_id, [])
+            logprobs = (runner_output.logprobs or {}).get(request.request_id)
+            num_drafts = scheduled.num_spec_tokens
+            request.spec_token_ids = []
+            if not sampled:
+                assert num_drafts == 0, f"{request} had {num_drafts} drafts but sampled nothing"
+                continue
+            assert len(sampled) <= num_drafts + 1, f"{len(sampled)} tokens for {num_drafts} drafts"
+            # Rejected drafts' positions are recomputed next step (their KV is stale).
+            request.num_computed_tokens -= num_drafts - (len(sampled) - 1)
+            self._append_tokens(request, sampled, logprobs)
+            updated.append(request)
+        if any(r.is_finished for r in updated):
+            self.running = [r for r in self.running if not r.is_finished]
+        return updated
+
+    # ------------------------------------------------------------------ internals
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            while not self.kv_cache_manager.allocate_slots(request, num_new):
+                victim = self.running.pop()  # the newest running request
+                self._preempt(victim)
+                output.preempted_request_ids.append(victim.request_id)
+                if victim is request:
+                    return budget
+            self._record(output, request, num_new)
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        held_back: list[Request] = []
+        prefilling_groups = {
+            r.group_id for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
+        }
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.group_id in prefilling_groups and request.num_computed_tokens == 0:
+                # A sibling is still prefilling this prompt: wait and reuse its blocks.
+                held_back.append(self.waiting.popleft())
+                continue
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = self._num_new_tokens(request, budget, num_computed=num_hit_tokens)
+            if not self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            self.num_prefix_hit_tokens += num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._record(output, request, num_new)
+            budget -= num_new
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                prefilling_groups.add(request.group_id)
+        self.waiting.extendleft(reversed(held_back))
+
+    def _num_new_tokens(self, request: Request, budget: int, num_computed: int | None = None) -> int:
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        num_new = request.num_tokens_with_spec - computed
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0:
+            num_new = min(num_new, threshold)
+        return min(
+            num_new,
+            budget,
+            # Keep one long prompt from eating the room that drafting needs.
+            self.config.max_num_batched_tokens - self.num_draft_slots,
+            self.max_model_len - computed,
+        )
+
+    def _record(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
+        """Write one request's share of the step and advance its ledger at once."""
+        start = request.num_computed_tokens
+        num_spec = max(0, start + num_new - request.num_tokens)
+        del request.spec_token_ids[num_spec:]  # drafts that did not fit are dropped
+        input_ids = request.all_token_ids[start : start + num_new - num_spec]
+        input_ids += request.spec_token_ids
+        output.scheduled_requests.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                input_token_ids=input_ids,
+                start_position=start,
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                num_spec_tokens=num_spec,
+                needs_sample=start + num_new >= request.num_tokens,
+                sampling_params=request.sampling_params,
+                sample_index=request.sample_index,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+            )
+        )
+        output.num_scheduled_tokens[request.request_id] = num_new
+        if num_spec:
+            output.scheduled_spec_decode_tokens[request.request_id] = list(request.spec_token_ids)
+        output.total_num_scheduled_tokens += num_new
+        request.num_computed_tokens = start + num_new
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop the KV, keep the tokens, go to the queue's front."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _append_tokens(
+        self, request: Request, token_ids: list[int], logprobs: list[float] | None
+    ) -> None:
+        for i, token_id in enumerate(token_ids):
+            request.append_output_token(token_id, logprobs[i] if logprobs else None)
+            reason = self._stop_reason(request, token_id)
+            if reason is not None:
+                self._finish(request, reason)
+                return
+
+    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.sampling_params
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.spec_token_ids = []
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_request_ids.append(request.request_id)
+
+    def _check_fits(self, request: Request) -> None:
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {request.num_prompt_tokens} tokens but max_model_len is "
+                f"{self.max_model_len}; shorten the prompt (room for at least one new token)"
+            )
+        max_len = min(
+            request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len
+        )
+        num_blocks_needed = cdiv(max_len + self.num_draft_slots, self.block_size)
+        if num_blocks_needed > self.kv_cache_manager.num_blocks:
+            raise OutOfBlocksError(
+                f"a request of up to {max_len} tokens needs {num_blocks_needed} KV blocks but the "
+                f"pool has {self.kv_cache_manager.num_blocks}; enlarge the KV cache or lower "
+                f"max_tokens"
+            )
