@@ -1,0 +1,142 @@
+"""GRPO-shaped rollout throughput: our engine vs Hugging Face `generate` and `generate_batch`.
+
+A batch of prompts x n samples, temperature 1, a fixed number of new tokens (EOS
+ignored everywhere so every system generates the same tokens count), run side by side
+in one process on the same model.
+
+    python benchmarks/rollout_throughput.py                 # the default workload
+    python benchmarks/rollout_throughput.py --num-prompts 8 --max-tokens 32   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rollout_engine import LLM, SamplingParams  # noqa: E402
+from rollout_engine.tiny_model import build_tiny_model  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="Hugging Face model dir (default: build the 'small' preset)")
+    parser.add_argument("--arch", default="qwen2", help="architecture of the built model")
+    parser.add_argument("--size", default="small", help="size preset of the built model")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt (GRPO group size)")
+    parser.add_argument("--min-prompt-len", type=int, default=64)
+    parser.add_argument("--max-prompt-len", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["generate", "generate_batch"])
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def make_prompts(args, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    return [
+        [rng.randrange(3, vocab_size) for _ in range(rng.randint(args.min_prompt_len, args.max_prompt_len))]
+        for _ in range(args.num_prompts)
+    ]
+
+
+def run_engine(model_dir: str, prompts, args) -> tuple[float, int]:
+    llm = LLM(model_dir, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_seqs=len(prompts) * args.n, kv_cache_bytes=2 * 1024**3)
+    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens,
+                            ignore_eos=True, seed=args.seed)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(o.token_ids) for out in outputs for o in out.outputs)
+
+
+def _hf_model(model_dir: str, attn_implementation: str | None = None):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _generation_config(args):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.max_tokens,
+        num_return_sequences=args.n, eos_token_id=None, pad_token_id=0,
+    )
+
+
+@torch.inference_mode()
+def run_hf_generate(model_dir: str, prompts, args) -> tuple[float, int]:
+    """TRL's default path: left-padded batch, every prompt repeated n times."""
+    model = _hf_model(model_dir)
+    max_len = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), max_len, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for i, p in enumerate(prompts):
+        input_ids[i, max_len - len(p):] = torch.tensor(p)
+        mask[i, max_len - len(p):] = 1
+    start = time.perf_counter()
+    out = model.generate(input_ids, attention_mask=mask, generation_config=_generation_config(args))
+    elapsed = time.perf_counter() - start
+    return elapsed, (out.shape[1] - max_len) * out.shape[0]
+
+
+@torch.inference_mode()
+def run_hf_generate_batch(model_dir: str, prompts, args) -> tuple[float, int]:
+    """TRL's continuous-batching path (transformers' paged `generate_batch`)."""
+    model = _hf_model(model_dir, attn_implementation="sdpa_paged")
+    start = time.perf_counter()
+    results = model.generate_batch(prompts, generation_config=_generation_config(args),
+                                   progress_bar=True)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(r.generated_tokens) for r in results.values())
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model or str(build_tiny_model(Path(tmp) / "model", args.arch, args.size))
+        from transformers import AutoConfig
+
+        prompts = make_prompts(args, AutoConfig.from_pretrained(model_dir).vocab_size)
+        print(f"workload: {len(prompts)} prompts x n={args.n}, prompt lengths "
+              f"{args.min_prompt_len}-{args.max_prompt_len}, {args.max_tokens} new tokens, "
+              f"T=1, {torch.get_num_threads()} threads")
+        results = {"rollout_engine": run_engine(model_dir, prompts, args)}
+        if "generate" not in args.skip:
+            results["HF generate (padded)"] = run_hf_generate(model_dir, prompts, args)
+        if "generate_batch" not in args.skip:
+            try:
+                results["HF generate_batch"] = run_hf_generate_batch(model_dir, prompts, args)
+            except Exception as exc:  # report, don't hide: the table says it failed
+                print(f"generate_batch failed: {type(exc).__name__}: {exc}")
+    print_table(results)
+
+
+def print_table(results: dict[str, tuple[float, int]]) -> None:
+    ours = results["rollout_engine"]
+    ours_tps = ours[1] / ours[0]
+    print("\n| system | time (s) | tokens | tokens/s | rollout_engine speed-up |")
+    print("|---|---:|---:|---:|---:|")
+    for name, (elapsed, tokens) in results.items():
+        tps = tokens / elapsed
+        print(f"| {name} | {elapsed:.1f} | {tokens} | {tps:.0f} | {ours_tps / tps:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

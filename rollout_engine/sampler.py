@@ -1,0 +1,371 @@
+"""Turns target logits into tokens: repetition penalty, filters, sampling, draft verification."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollout_engine.sampling_params import SamplingParams
+
+_MASK_64 = (1 << 64) - 1
+# Top-p first looks for its nucleus among this many most likely tokens (a partial sort),
+# and falls back to a full sort only for rows whose nucleus reaches past them.
+_NUM_TOP_P_CANDIDATES = 64
+
+
+@dataclass
+class SamplingRow:
+    """One request's sampling context for this step."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    """The request's own (seeded, CPU) stream, or None for the sampler's default stream."""
+    token_history: list[int]
+    """Prompt + committed output tokens (for repetition_penalty)."""
+    draft_token_ids: list[int]
+    """Speculative drafts to verify ([] for a plain step)."""
+
+
+@dataclass
+class SampleResult:
+    """What one row produced this step."""
+
+    token_ids: list[int]
+    """Accepted drafts + one token from the target (len = num_accepted_drafts + 1)."""
+    logprobs: list[float]
+    """fp32 logprob of each returned token under the target's processed distribution."""
+    num_accepted_drafts: int
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK_64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return x ^ (x >> 31)
+
+
+def make_request_generator(seed: int, sample_index: int) -> torch.Generator:
+    """A reproducible CPU stream for sample `sample_index` of a prompt seeded with `seed`.
+
+    Sample 0 uses `seed` itself; the others use a splitmix64 mix of (seed, sample_index),
+    so the `n` samples of one prompt differ from each other but not from run to run.
+    """
+    assert sample_index >= 0, f"sample_index must be >= 0, got {sample_index}"
+    stream_seed = seed & _MASK_64
+    if sample_index > 0:
+        stream_seed = _splitmix64(_splitmix64(stream_seed) ^ sample_index)
+    return torch.Generator().manual_seed(stream_seed)
+
+
+def _row_offsets(rows: list[SamplingRow]) -> list[int]:
+    """offsets[i] is row i's first logits row; offsets[-1] is the number of logits rows."""
+    offsets = [0]
+    for row in rows:
+        offsets.append(offsets[-1] + len(row.draft_token_ids) + 1)
+    return offsets
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, rows: list[SamplingRow], offsets: list[int]
+) -> torch.Tensor:
+    """Hugging Face's rule: a seen token's logit is divided by the penalty if > 0, else
+    multiplied. Position j of a row has also seen drafts[:j]. Ids >= vocab are ignored."""
+    num_positions, vocab_size = logits.shape
+    penalised_rows = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
+    if not penalised_rows:
+        return logits
+    seen = torch.zeros(num_positions, vocab_size, dtype=torch.bool)  # [num_positions, vocab]
+    penalty = torch.ones(num_positions, 1)  # [num_positions, 1]
+    for i in penalised_rows:
+        row, start, end = rows[i], offsets[i], offsets[i + 1]
+        history = torch.tensor(row.token_history, dtype=torch.long)
+        seen[start:end, history[history < vocab_size]] = True
+        for j, draft_id in enumerate(row.draft_token_ids):
+            seen[start + j + 1 : end, draft_id] = True
+        penalty[start:end] = row.params.repetition_penalty
+    seen, penalty = seen.to(logits.device), penalty.to(logits.device)
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def _top_k_top_p_removed(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, num_candidates: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of tokens that top-k then top-p remove, looking only at the `num_candidates` most
+    likely tokens of each row, and which rows that was enough for (`is_exact`)."""
+    # logits [S, V]; top_k [S] in 1..V (V = off); top_p [S] in (0, 1] (1 = off)
+    vocab_size = logits.shape[1]
+    values, ids = logits.topk(num_candidates, dim=-1)  # [S, K], descending
+    kth_value = values.gather(1, (top_k.clamp(max=num_candidates) - 1)[:, None])  # [S, 1]
+    kth_value = kth_value.masked_fill(top_k[:, None] > num_candidates, float("-inf"))
+    removed = logits < kth_value  # top-k; ties with the k-th token are kept, as in HF
+    num_allowed_by_top_k = (~removed).sum(-1)  # [S]
+    # Nucleus: the smallest prefix of the (top-k renormalised) sorted probs with mass >= top_p.
+    log_z = logits.masked_fill(removed, float("-inf")).logsumexp(-1, keepdim=True)  # [S, 1]
+    probs = (values.masked_fill(values < kth_value, float("-inf")) - log_z).exp()  # [S, K]
+    kept_sorted = probs.cumsum(-1) - probs < top_p[:, None]  # mass strictly before < top_p
+    nucleus_removed = torch.ones_like(removed).scatter_(1, ids, ~kept_sorted)
+    uses_top_p = top_p < 1.0
+    removed = torch.where(uses_top_p[:, None], removed | nucleus_removed, removed)
+    # The nucleus may reach past the candidates only if the last one is kept and top-k
+    # leaves more tokens than there are candidates.
+    reaches_past = kept_sorted[:, -1] & (num_allowed_by_top_k > num_candidates)
+    is_exact = ~uses_top_p | ~reaches_past | (num_candidates == vocab_size)
+    return removed, is_exact
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Top-k, then top-p, then min-p; removed tokens get -inf. One (partial) sort per batch."""
+    # logits [S, V] (temperature already applied); top_k [S] (-1 = off); top_p, min_p [S]
+    vocab_size = logits.shape[1]
+    top_k = torch.where((top_k < 1) | (top_k > vocab_size), vocab_size, top_k)
+    needs_sort = ((top_k < vocab_size) | (top_p < 1.0)).nonzero().squeeze(1)
+    if needs_sort.numel() > 0:
+        sub, sub_k, sub_p = logits[needs_sort], top_k[needs_sort], top_p[needs_sort]
+        limited_k = sub_k[sub_k < vocab_size]
+        max_k = int(limited_k.max()) if limited_k.numel() > 0 else 0
+        num_candidates = min(vocab_size, max(_NUM_TOP_P_CANDIDATES, max_k))
+        removed, is_exact = _top_k_top_p_removed(sub, sub_k, sub_p, num_candidates)
+        if not bool(is_exact.all()):
+            inexact = (~is_exact).nonzero().squeeze(1)
+            removed[inexact], _ = _top_k_top_p_removed(
+                sub[inexact], sub_k[inexact], sub_p[inexact], vocab_size
+            )
+        logits = logits.index_copy(0, needs_sort, sub.masked_fill(removed, float("-inf")))
+    if bool((min_p > 0).any()):
+        # p < min_p * p_max  <=>  logit < max_logit + log(min_p)  (same normaliser)
+        max_logit = logits.max(-1, keepdim=True).values  # [S, 1]
+        removed = logits < max_logit + min_p.log()[:, None]
+        logits = logits.masked_fill(removed, float("-inf"))
+    return logits
+
+
+def _select_rows(logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """logits[positions] for sorted unique positions, without a copy when that is all rows."""
+    if len(positions) == logits.shape[0]:
+        return logits
+    return logits.index_select(0, torch.tensor(positions, device=logits.device))
+
+
+def _num_leading_true(flags: list[bool]) -> int:
+    for i, flag in enumerate(flags):
+        if not flag:
+            return i
+    return len(flags)
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Sample each row of unnormalised `probs` [R, V] with one uniform per row [R].
+
+    The token is the first index whose cumulative mass exceeds u * total; zero-mass tokens
+    never are (their cumulative mass equals their predecessor's). One random number per
+    row, so a request's stream does not depend on the vocabulary size or the batch.
+    """
+    cdf = probs.double().cumsum(-1)  # [R, V]
+    target = (uniforms.double() * cdf[:, -1]).unsqueeze(1)  # [R, 1]
+    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return token_ids.clamp_(max=probs.shape[1] - 1)
+
+
+class Sampler:
+    """Samples (and verifies drafts) for every row of a step in one batched call.
+
+    Logprobs are fp32 log-softmax values of the distribution actually sampled from: after
+    repetition penalty, temperature, top-k, top-p and min-p (removed tokens are -inf). For
+    greedy rows they are the log-softmax of the penalised logits at temperature 1.
+
+    Randomness: each sampled row draws from its own generator (or the default stream, in
+    row order) exactly `k + 1` uniforms (k = number of drafts): one per draft and one for
+    the inverse-CDF draw of the token, whatever is accepted, so a seeded request's tokens
+    do not depend on the other rows in the batch. Greedy rows draw nothing. Generators live
+    on the CPU; the draws are moved to the logits' device.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        """logits: [sum(len(drafts_i) + 1), vocab]; row i owns len(drafts_i) + 1 consecutive
+        logits rows; position j is the target's distribution for the token after draft j-1
+        (j=0: after the last committed token)."""
+        offsets = _row_offsets(rows)
+        assert logits.dim() == 2 and logits.shape[0] == offsets[-1], (
+            f"expected logits of shape [{offsets[-1]}, vocab], got {tuple(logits.shape)}"
+        )
+        vocab_size = logits.shape[1]
+        for row in rows:
+            assert all(0 <= d < vocab_size for d in row.draft_token_ids), (
+                f"draft ids {row.draft_token_ids} outside the vocabulary of {vocab_size}"
+            )
+        logits = apply_repetition_penalty(logits.float(), rows, offsets)
+        results: list[SampleResult | None] = [None] * len(rows)
+        greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
+        sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if greedy:
+            for i, result in zip(greedy, self._greedy(logits, rows, offsets, greedy)):
+                results[i] = result
+        if sampled:
+            for i, result in zip(sampled, self._sample(logits, rows, offsets, sampled)):
+                results[i] = result
+        return results  # type: ignore[return-value]
+
+    def _greedy(
+        self, logits: torch.Tensor, rows: list[SamplingRow], offsets: list[int], row_ids: list[int]
+    ) -> list[SampleResult]:
+        """Accept drafts while they equal the target's argmax, then append its argmax."""
+        positions = [p for i in row_ids for p in range(offsets[i], offsets[i + 1])]
+        row_logits = _select_rows(logits, positions)  # [G, V]
+        argmax = row_logits.argmax(-1)  # [G]
+        logprobs = row_logits.log_softmax(-1).gather(1, argmax[:, None]).squeeze(1)  # [G]
+        argmax_ids, logprob_values = argmax.tolist(), logprobs.tolist()
+        results, cursor = [], 0
+        for i in row_ids:
+            drafts = rows[i].draft_token_ids
+            targets = argmax_ids[cursor : cursor + len(drafts) + 1]
+            num_accepted = _num_leading_true([t == d for t, d in zip(targets, drafts)])
+            results.append(
+                SampleResult(
+                    token_ids=targets[: num_accepted + 1],
+                    logprobs=logprob_values[cursor : cursor + num_accepted + 1],
+                    num_accepted_drafts=num_accepted,
+                )
+            )
+            cursor += len(drafts) + 1
+        return results
+
+    def _processed_logprobs(
+        self, logits: torch.Tensor, rows: list[SamplingRow], offsets: list[int], row_ids: list[int]
+    ) -> torch.Tensor:
+        """Log-softmax after temperature and filters, for every position of `row_ids`."""
+        positions, params = [], []
+        for i in row_ids:
+            positions.extend(range(offsets[i], offsets[i + 1]))
+            params.extend([rows[i].params] * (offsets[i + 1] - offsets[i]))
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], device=device)  # [S]
+        top_k = torch.tensor([p.top_k for p in params], device=device)  # [S]
+        top_p = torch.tensor([p.top_p for p in params], device=device)  # [S]
+        min_p = torch.tensor([p.min_p for p in params], device=device)  # [S]
+        scaled = _select_rows(logits, positions)  # [S, V]
+        if bool((temperature != 1.0).any()):
+            scaled = scaled / temperature[:, None]
+        return filter_logits(scaled, top_k, top_p, min_p).log_softmax(-1)  # [S, V]
+
+    def _draw(
+        self, rows: list[SamplingRow], row_ids: list[int]
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Per row, in row order, k + 1 uniforms: one per draft, then one for the token."""
+        draft_uniforms, token_uniforms = [], []
+        for i in row_ids:
+            generator = rows[i].generator
+            generator = self.generator if generator is None else generator
+            assert generator.device.type == "cpu", "request generators must be CPU generators"
+            u = torch.rand(len(rows[i].draft_token_ids) + 1, generator=generator)
+            draft_uniforms.append(u[:-1])
+            token_uniforms.append(u[-1:])
+        return draft_uniforms, torch.cat(token_uniforms)  # [R]
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow], offsets: list[int], row_ids: list[int]
+    ) -> list[SampleResult]:
+        """Speculative sampling with point-mass (n-gram) drafts, then one token from the target.
+
+        Draft d at position j is a point mass q_j = delta_d, so the usual rule
+            accept with probability min(1, p_j(d) / q_j(d)) = p_j(d)    (u ~ U(0,1), u < p_j(d))
+            on rejection sample from norm(max(p_j - q_j, 0))  =  p_j with p_j[d] = 0, renormalised
+        gives P(token = d) = p_j(d) and P(token = x != d) = (1 - p_j(d)) p_j(x) / (1 - p_j(d)),
+        i.e. exactly p_j. All drafts accepted: a bonus token from p_k. Reported logprobs are
+        log p_j(token) under the target, also for a token drawn from the residual.
+        """
+        logprobs = self._processed_logprobs(logits, rows, offsets, row_ids)  # [S, V]
+        uniforms, token_uniforms = self._draw(rows, row_ids)
+        starts, cursor = [], 0  # each row's first position within `logprobs`
+        for i in row_ids:
+            starts.append(cursor)
+            cursor += offsets[i + 1] - offsets[i]
+        num_accepted = self._verify_drafts(logprobs, rows, row_ids, starts, uniforms)
+
+        final_positions, rejected_rows, rejected_ids = [], [], []
+        for r, i in enumerate(row_ids):
+            final_positions.append(starts[r] + num_accepted[r])
+            if num_accepted[r] < len(rows[i].draft_token_ids):
+                rejected_rows.append(r)
+                rejected_ids.append(rows[i].draft_token_ids[num_accepted[r]])
+        device = logits.device
+        probs = _select_rows(logprobs, final_positions).exp()  # [R, V]
+        rejected = (
+            torch.tensor(rejected_rows, dtype=torch.long, device=device),
+            torch.tensor(rejected_ids, dtype=torch.long, device=device),
+        )
+        probs[rejected] = 0.0  # the residual p_j with p_j[d] = 0
+        token_ids = _inverse_cdf_sample(probs, token_uniforms.to(device))  # [R]
+        final_positions_t = torch.tensor(final_positions, device=device)
+        final_logprobs = logprobs[final_positions_t, token_ids].tolist()
+        return self._sampled_results(
+            logprobs, rows, row_ids, starts, num_accepted, token_ids.tolist(), final_logprobs
+        )
+
+    def _verify_drafts(
+        self,
+        logprobs: torch.Tensor,
+        rows: list[SamplingRow],
+        row_ids: list[int],
+        starts: list[int],
+        uniforms: list[torch.Tensor],
+    ) -> list[int]:
+        """Number of leading drafts accepted per row: u_j < p_j(d_j)."""
+        positions, draft_ids = [], []
+        for r, i in enumerate(row_ids):
+            drafts = rows[i].draft_token_ids
+            positions.extend(range(starts[r], starts[r] + len(drafts)))
+            draft_ids.extend(drafts)
+        if not positions:
+            return [0] * len(row_ids)
+        device = logprobs.device
+        index = (torch.tensor(positions, device=device), torch.tensor(draft_ids, device=device))
+        p_draft = logprobs[index].exp()  # [D]
+        # u < 1 always, so p_j(d) = 1 is always accepted; and p_j(d) < 1 in fp32 means some
+        # other token has p > 0: a rejection always leaves a non-empty residual.
+        accepted = (torch.cat(uniforms).to(device) < p_draft).tolist()
+        num_accepted, cursor = [], 0
+        for i in row_ids:
+            num_drafts = len(rows[i].draft_token_ids)
+            num_accepted.append(_num_leading_true(accepted[cursor : cursor + num_drafts]))
+            cursor += num_drafts
+        return num_accepted
+
+    @staticmethod
+    def _sampled_results(
+        logprobs: torch.Tensor,
+        rows: list[SamplingRow],
+        row_ids: list[int],
+        starts: list[int],
+        num_accepted: list[int],
+        final_ids: list[int],
+        final_logprobs: list[float],
+    ) -> list[SampleResult]:
+        positions, draft_ids = [], []
+        for r, i in enumerate(row_ids):
+            positions.extend(range(starts[r], starts[r] + num_accepted[r]))
+            draft_ids.extend(rows[i].draft_token_ids[: num_accepted[r]])
+        accepted_logprobs: list[float] = []
+        if positions:
+            device = logprobs.device
+            index = (torch.tensor(positions, device=device), torch.tensor(draft_ids, device=device))
+            accepted_logprobs = logprobs[index].tolist()
+        results, cursor = [], 0
+        for r, i in enumerate(row_ids):
+            accepted = rows[i].draft_token_ids[: num_accepted[r]]
+            results.append(
+                SampleResult(
+                    token_ids=accepted + [final_ids[r]],
+                    logprobs=accepted_logprobs[cursor : cursor + num_accepted[r]]
+                    + [final_logprobs[r]],
+                    num_accepted_drafts=num_accepted[r],
+                )
+            )
+            cursor += num_accepted[r]
+        return results

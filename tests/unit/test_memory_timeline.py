@@ -1,0 +1,119 @@
+"""MemoryTimeline events, JSON output and the background sampler; process_rss_bytes."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from memory import MemoryTimeline, process_rss_bytes
+
+
+def test_record_keeps_given_fields_and_omits_unset_ones() -> None:
+    timeline = MemoryTimeline()
+    before_s = time.time()
+    timeline.record("sleep", phase="begin", tag="weights", num_bytes=4096, level=1)
+    timeline.record("note")
+    first, second = timeline.events
+    assert first == {
+        "time_s": first["time_s"],
+        "event": "sleep",
+        "phase": "begin",
+        "tag": "weights",
+        "num_bytes": 4096,
+        "level": 1,
+    }
+    assert before_s <= first["time_s"] <= second["time_s"] <= time.time()
+    assert second == {"time_s": second["time_s"], "event": "note"}
+
+
+def test_events_is_a_copy_and_clear_empties() -> None:
+    timeline = MemoryTimeline()
+    timeline.record("a")
+    timeline.events.clear()
+    assert len(timeline.events) == 1
+    timeline.clear()
+    assert timeline.events == []
+
+
+def test_span_records_begin_end_and_errors() -> None:
+    timeline = MemoryTimeline()
+    with timeline.span("wake", tag="kv_cache"):
+        pass
+    with pytest.raises(ValueError), timeline.span("wake", tag="weights"):
+        raise ValueError("boom")
+    phases = [(event["tag"], event["phase"]) for event in timeline.events]
+    assert phases == [
+        ("kv_cache", "begin"),
+        ("kv_cache", "end"),
+        ("weights", "begin"),
+        ("weights", "error"),
+    ]
+    assert "boom" in timeline.events[-1]["error"] and timeline.events[1]["duration_s"] >= 0
+
+
+def test_to_json_round_trips(tmp_path: Path) -> None:
+    timeline = MemoryTimeline()
+    timeline.record("sleep", tag="weights", num_bytes=1)
+    path = tmp_path / "timeline.json"
+    timeline.to_json(path)
+    written = json.loads(path.read_text())
+    assert written == {"pid": os.getpid(), "events": timeline.events}
+
+
+def test_sampler_records_at_about_the_asked_rate() -> None:
+    timeline = MemoryTimeline()
+    timeline.start_sampling(hz=50)
+    assert timeline.is_sampling
+    time.sleep(0.6)
+    timeline.stop_sampling()
+    assert not timeline.is_sampling
+    samples = [event for event in timeline.events if event["event"] == "sample"]
+    assert all(sample["pid"] == os.getpid() and sample["rss_bytes"] > 0 for sample in samples)
+    assert 12 <= len(samples) <= 40, len(samples)  # about 30; loose for a busy machine
+    num_after_stop = len(timeline.events)
+    time.sleep(0.1)
+    assert len(timeline.events) == num_after_stop
+
+
+def test_sampler_follows_other_processes_and_skips_ended_ones() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    timeline = MemoryTimeline()
+    timeline.start_sampling(hz=100, pids=[os.getpid(), child.pid])
+    child.wait()
+    time.sleep(0.1)
+    timeline.stop_sampling()
+    child_samples = [event for event in timeline.events if event.get("pid") == child.pid]
+    own_samples = [event for event in timeline.events if event.get("pid") == os.getpid()]
+    assert child_samples and all(sample["rss_bytes"] > 0 for sample in child_samples)
+    assert len(own_samples) > len(child_samples)  # sampling went on after the child ended
+
+
+def test_sampler_arguments_are_checked() -> None:
+    timeline = MemoryTimeline()
+    with pytest.raises(ValueError, match="hz"):
+        timeline.start_sampling(hz=0)
+    timeline.start_sampling(hz=10)
+    try:
+        with pytest.raises(RuntimeError, match="stop_sampling"):
+            timeline.start_sampling(hz=10)
+    finally:
+        timeline.stop_sampling()
+    timeline.stop_sampling()  # harmless when not sampling
+
+
+def test_process_rss_bytes_of_this_and_other_processes() -> None:
+    own_bytes = process_rss_bytes()
+    assert own_bytes == pytest.approx(process_rss_bytes(os.getpid()), rel=0.1)
+    assert own_bytes > 10 << 20  # an interpreter with torch loaded
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        assert process_rss_bytes(child.pid) > 0
+    finally:
+        child.kill()
+        child.wait()
+    with pytest.raises(ProcessLookupError):
+        process_rss_bytes(child.pid)  # reaped: no /proc entry any more
