@@ -27,6 +27,8 @@ class AttentionMetadata:
     block_size: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    block_tables_cpu: list[list[int]] | None = None
+    """The unpadded block tables as lists, when the builder had them (CPU planning)."""
     cache: dict = field(default_factory=dict)
     """Per-step plans derived from the metadata (e.g. gather indices), built on first use."""
 
@@ -69,4 +71,5 @@ class AttentionMetadata:
             block_size=block_size,
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),
+            block_tables_cpu=[list(t) for t in block_tables],
         )

@@ -1,11 +1,12 @@
-"""Chooses the kernel for a tensor's device: Triton on CUDA, the torch reference elsewhere."""
+"""Chooses the kernel for a tensor's device: Triton on CUDA, the batched torch path elsewhere."""
 
 from __future__ import annotations
 
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.paged_attention_ref import paged_attention_ref, store_kv_cache_ref
+from kernels.paged_attention_cpu import paged_attention_cpu
+from kernels.paged_attention_ref import store_kv_cache_ref
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -39,4 +40,4 @@ def paged_attention(
         from kernels.triton_paged_attention import paged_attention_triton
 
         return paged_attention_triton(query, key_cache, value_cache, metadata, scale)
-    return paged_attention_ref(query, key_cache, value_cache, metadata, scale)
+    return paged_attention_cpu(query, key_cache, value_cache, metadata, scale)

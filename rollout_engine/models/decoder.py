@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kernels import AttentionMetadata, paged_attention, store_kv_cache
-from rollout_engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from rollout_engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ def head_dim_of(config) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, config, spec: ArchSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config, spec: ArchSpec) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -50,12 +50,11 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = spec.qk_norm
-        self.rotary = [rotary]  # shared; a list keeps it out of this module's buffers
 
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
@@ -65,7 +64,7 @@ class Attention(nn.Module):
         v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [num_blocks, bs, Hkv, D] each
         store_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, metadata, self.scale)  # [T, H, D]
@@ -73,16 +72,16 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, spec: ArchSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config, spec: ArchSpec) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, spec, rotary)
+        self.self_attn = Attention(config, spec)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, mlp_bias)
 
-    def forward(self, hidden, positions, kv_cache, metadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, kv_cache, metadata)
+    def forward(self, hidden, rope, kv_cache, metadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -92,7 +91,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, spec, self.rotary_emb) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, spec) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -122,8 +121,9 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_caches: [L, 2, num_blocks, bs, Hkv, D] -> [T, hidden]."""
         hidden = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(hidden, positions, kv_cache, metadata)
+            hidden = layer(hidden, rope, kv_cache, metadata)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

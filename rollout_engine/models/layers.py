@@ -56,13 +56,18 @@ class RotaryEmbedding(nn.Module):
         """Recompute the table in place (after its memory was released)."""
         self.cos_sin.copy_(self._build().to(self.cos_sin))
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, Hkv, D], positions: [T]."""
-        cos = self.cos_sin[0, positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self.cos_sin[1, positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for these positions: [T, 1, head_dim] each, looked up once per step."""
+        cos = self.cos_sin[0, positions].to(dtype).unsqueeze(1)
+        sin = self.cos_sin[1, positions].to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, H, D], k: [T, Hkv, D], cos/sin: [T, 1, D] (Hugging Face's rotate-half form)."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

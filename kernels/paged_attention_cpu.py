@@ -1,0 +1,195 @@
+"""Fast CPU paged attention: short queries batched, shared prefixes attended once (cascade).
+
+The n samples of one prompt (a GRPO group) and other prefix-cache hits point at the same
+leading KV blocks. Their queries attend to that shared prefix together, gathered once,
+and each request attends to its own remaining blocks; the two partial results are merged
+with their log-sum-exps. This is the same math as `paged_attention_ref`, reordered.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention_metadata import AttentionMetadata
+from kernels.paged_attention_ref import (
+    MAX_BATCHED_QUERY_LEN, _gather_one, _sdpa_causal,
+)
+
+# Requests share a prefix worth attending once only if it spans at least this many blocks.
+MIN_SHARED_BLOCKS = 2
+
+
+@dataclass
+class _Part:
+    """One padded batched attention: rows [N, R] of the flat query, KV tables, a mask."""
+
+    rows: torch.Tensor  # [N, R] flat query row per slot (padding -> row 0)
+    valid: torch.Tensor  # [N, R] bool
+    tables: torch.Tensor  # [N, num_blocks] int64
+    mask: torch.Tensor  # [N, R, L] bool: which keys each query slot may see
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as `paged_attention_ref`: query [T, H, D] -> [T, H, D]."""
+    plan = metadata.cache.get("cpu_plan")
+    if plan is None:
+        plan = metadata.cache["cpu_plan"] = _build_plan(metadata)
+    out = torch.empty_like(query)
+    if plan["own"] is not None:
+        o, lse = _attend(query, key_cache, value_cache, plan["own"], scale)
+        rows = plan["own"].rows[plan["own"].valid]
+        out[rows] = o.to(out.dtype)
+        if plan["shared"] is not None:
+            o_shared, lse_shared = _attend(query, key_cache, value_cache, plan["shared"], scale)
+            shared_rows = plan["shared"].rows[plan["shared"].valid]
+            own_index = plan["own_index_of_shared"]
+            merged = _merge(o[own_index], lse[own_index], o_shared, lse_shared)
+            out[shared_rows] = merged.to(out.dtype)
+    for req, start, q_len, s_len in plan["single"]:
+        table = metadata.block_tables[req]
+        k = _gather_one(key_cache, table, s_len)
+        v = _gather_one(value_cache, table, s_len)
+        out[start : start + q_len] = _sdpa_causal(query[start : start + q_len], k, v, scale)
+    return out
+
+
+def _attend(query, key_cache, value_cache, part: _Part, scale: float):
+    """Attention of part's query slots with log-sum-exp: ([V, H, D], [V, H]) for valid slots."""
+    num, num_rows = part.rows.shape
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    length = part.tables.shape[1] * block_size
+    # [num_blocks, bs, Hkv, D] -> N * nb blocks -> [Hkv, N, L, D], contiguous for matmul
+    flat_tables = part.tables.view(-1)
+    k = key_cache.index_select(0, flat_tables).view(num, length, num_kv_heads, head_dim)
+    v = value_cache.index_select(0, flat_tables).view(num, length, num_kv_heads, head_dim)
+    k = k.permute(2, 0, 1, 3).contiguous().float()
+    v = v.permute(2, 0, 1, 3).contiguous().float()
+    q = query[part.rows].float()  # [N, R, H, D]
+    # Heads h = kv * group + j share KV head kv: [Hkv, N, group * R, D]
+    q = q.view(num, num_rows, num_kv_heads, group, head_dim).permute(2, 0, 3, 1, 4)
+    q = q.reshape(num_kv_heads, num, group * num_rows, head_dim)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [Hkv, N, group * R, L]
+    scores = scores.view(num_kv_heads, num, group, num_rows, length)
+    scores.masked_fill_(~part.mask.view(1, num, 1, num_rows, length), float("-inf"))
+    m = scores.amax(-1, keepdim=True)  # [Hkv, N, group, R, 1]
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(scores - m)
+    denom = p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    o = torch.matmul(p.view(num_kv_heads, num, group * num_rows, length), v)
+    o = o.view(num_kv_heads, num, group, num_rows, head_dim) / denom
+    lse = (m + denom.log()).squeeze(-1)  # [Hkv, N, group, R]
+    # -> slots first: [N, R, H, D] and [N, R, H], then keep the valid slots.
+    o = o.permute(1, 3, 0, 2, 4).reshape(num, num_rows, num_heads, head_dim)
+    lse = lse.permute(1, 3, 0, 2).reshape(num, num_rows, num_heads)
+    return o[part.valid], lse[part.valid]
+
+
+def _merge(o_a, lse_a, o_b, lse_b) -> torch.Tensor:
+    """Combine two attentions over disjoint key sets: o [V, H, D], lse [V, H]."""
+    m = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    return (o_a * w_a[..., None] + o_b * w_b[..., None]) / (w_a + w_b)[..., None]
+
+
+def _build_plan(metadata: AttentionMetadata) -> dict:
+    """Per step: which requests share prefixes, and the padded index tensors."""
+    q_lens, s_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
+    tables = metadata.block_tables_cpu
+    if tables is None:
+        tables = [t[: -(-s // metadata.block_size)] for t, s in
+                  zip(metadata.block_tables.tolist(), s_lens)]
+    starts = metadata.query_start_loc.tolist()
+    batched = [i for i, q in enumerate(q_lens) if q <= MAX_BATCHED_QUERY_LEN]
+    single = [(i, starts[i], q_lens[i], s_lens[i]) for i, q in enumerate(q_lens)
+              if q > MAX_BATCHED_QUERY_LEN]
+    plan = {"own": None, "shared": None, "own_index_of_shared": None, "single": single}
+    if not batched:
+        return plan
+    bs = metadata.block_size
+    groups = _shared_prefix_groups(batched, tables, q_lens, s_lens, bs)
+    num_shared = {i: c for members, c in groups for i in members}
+    plan["own"] = _own_part(batched, tables, q_lens, s_lens, starts, num_shared, bs)
+    if groups:
+        plan["shared"] = _shared_part(groups, tables, q_lens, starts, bs)
+        # Position of each shared slot's row among the own part's valid slots.
+        own_rows = plan["own"].rows[plan["own"].valid].tolist()
+        where = {row: k for k, row in enumerate(own_rows)}
+        shared_rows = plan["shared"].rows[plan["shared"].valid].tolist()
+        plan["own_index_of_shared"] = torch.tensor([where[r] for r in shared_rows])
+    return plan
+
+
+def _shared_prefix_groups(batched, tables, q_lens, s_lens, bs) -> list[tuple[list[int], int]]:
+    """Groups of >= 2 requests whose leading blocks are the same, with the shared count.
+
+    Only blocks wholly before every member's first query position count, so no member
+    needs a causal mask inside the shared prefix.
+    """
+    by_first_block: dict[int, list[int]] = defaultdict(list)
+    for i in batched:
+        if len(tables[i]) >= MIN_SHARED_BLOCKS:
+            by_first_block[tables[i][0]].append(i)
+    groups = []
+    for members in by_first_block.values():
+        if len(members) < 2:
+            continue
+        limit = min((s_lens[i] - q_lens[i]) // bs for i in members)
+        first = tables[members[0]]
+        num_shared = 0
+        while num_shared < limit and all(
+            len(tables[i]) > num_shared and tables[i][num_shared] == first[num_shared]
+            for i in members
+        ):
+            num_shared += 1
+        if num_shared >= MIN_SHARED_BLOCKS:
+            groups.append((members, num_shared))
+    return groups
+
+
+def _own_part(batched, tables, q_lens, s_lens, starts, num_shared, bs) -> _Part:
+    """Each request's queries over its blocks past the shared prefix (causal)."""
+    own_tables = [tables[i][num_shared.get(i, 0) : -(-s_lens[i] // bs)] for i in batched]
+    max_rows = max(q_lens[i] for i in batched)
+    num_blocks = max(len(t) for t in own_tables)
+    rows = torch.zeros(len(batched), max_rows, dtype=torch.int64)
+    table_t = torch.zeros(len(batched), num_blocks, dtype=torch.int64)
+    for b, i in enumerate(batched):
+        rows[b, : q_lens[i]] = torch.arange(starts[i], starts[i] + q_lens[i])
+        table_t[b, : len(own_tables[b])] = torch.tensor(own_tables[b])
+    q_len_t = torch.tensor([q_lens[i] for i in batched]).view(-1, 1)
+    s_len_t = torch.tensor([s_lens[i] for i in batched]).view(-1, 1, 1)
+    first_key = torch.tensor([num_shared.get(i, 0) * bs for i in batched]).view(-1, 1, 1)
+    q_pos = (s_len_t.view(-1, 1) - q_len_t + torch.arange(max_rows)).unsqueeze(-1)  # [N, R, 1]
+    k_pos = first_key + torch.arange(num_blocks * bs).view(1, 1, -1)  # [N, 1, L]
+    mask = (k_pos <= q_pos) & (k_pos < s_len_t)
+    valid = torch.arange(max_rows).view(1, -1) < q_len_t
+    return _Part(rows, valid, table_t, mask)
+
+
+def _shared_part(groups, tables, q_lens, starts, bs) -> _Part:
+    """All members' queries of each group over the group's shared blocks (no mask needed)."""
+    max_rows = max(sum(q_lens[i] for i in members) for members, _ in groups)
+    num_blocks = max(c for _, c in groups)
+    rows = torch.zeros(len(groups), max_rows, dtype=torch.int64)
+    valid = torch.zeros(len(groups), max_rows, dtype=torch.bool)
+    table_t = torch.zeros(len(groups), num_blocks, dtype=torch.int64)
+    lengths = torch.zeros(len(groups), 1, 1, dtype=torch.int64)
+    for g, (members, c) in enumerate(groups):
+        member_rows = [r for i in members for r in range(starts[i], starts[i] + q_lens[i])]
+        rows[g, : len(member_rows)] = torch.tensor(member_rows)
+        valid[g, : len(member_rows)] = True
+        table_t[g, :c] = torch.tensor(tables[members[0]][:c])
+        lengths[g] = c * bs
+    mask = torch.arange(num_blocks * bs).view(1, 1, -1) < lengths  # [G, 1, L]
+    return _Part(rows, valid, table_t, mask.expand(-1, max_rows, -1))
