@@ -39,3 +39,20 @@ def hf_logprobs(model_dir: str, prompt: list[int], completion: list[int], temper
     logits = logits[len(prompt) - 1 : len(prompt) - 1 + len(completion)] / temperature
     logprobs = torch.log_softmax(logits, dim=-1)
     return logprobs[torch.arange(len(completion)), torch.tensor(completion)]
+
+
+@torch.inference_mode()
+def hf_greedy_batch(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """`hf_greedy` for many prompts in one left-padded `generate` call."""
+    model = load_hf_model(str(model_dir))
+    max_len = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), max_len, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, prompt in enumerate(prompts):
+        input_ids[i, max_len - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[i, max_len - len(prompt) :] = 1
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    out = model.generate(input_ids, attention_mask=attention_mask, generation_config=config)
+    return out[:, max_len:].tolist()

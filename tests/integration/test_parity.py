@@ -9,7 +9,7 @@ import torch
 
 from rollout_engine import LLM, SamplingParams
 from tests.conftest import ARCHS
-from tests.integration.hf_oracle import hf_greedy, hf_logprobs
+from tests.integration.hf_oracle import hf_greedy, hf_greedy_batch, hf_logprobs
 
 MAX_NEW_TOKENS = 24
 
@@ -30,7 +30,7 @@ PROMPTS = make_prompts()
 SETTINGS = {
     "default": {},
     "chunked_prefill": {"max_num_batched_tokens": 16},
-    "preemption": {"num_blocks": 24, "block_size": 4, "enable_prefix_caching": False},
+    "preemption": {"num_blocks": 32, "block_size": 4, "enable_prefix_caching": False},
     "prefix_caching": {"enable_prefix_caching": True, "block_size": 4},
 }
 
@@ -38,9 +38,16 @@ SETTINGS = {
 @pytest.fixture(scope="module")
 def hf_reference(tiny_model_dirs) -> dict[str, list[list[int]]]:
     return {
-        arch: [hf_greedy(str(tiny_model_dirs[arch]), p, MAX_NEW_TOKENS) for p in PROMPTS]
+        arch: hf_greedy_batch(str(tiny_model_dirs[arch]), PROMPTS, MAX_NEW_TOKENS)
         for arch in ARCHS
     }
+
+
+def test_batched_oracle_matches_per_prompt_generate(tiny_model_dirs, hf_reference):
+    # The left-padded reference equals unpadded per-prompt `generate` (spot check).
+    for i in (0, 5):
+        expected = hf_greedy(str(tiny_model_dirs["llama"]), PROMPTS[i], MAX_NEW_TOKENS)
+        assert hf_reference["llama"][i] == expected
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))

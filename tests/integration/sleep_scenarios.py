@@ -1,0 +1,159 @@
+"""Engine sleep/wake scenarios run in a fresh interpreter each, so that measured memory is clean.
+
+Usage: python tests/integration/sleep_scenarios.py NAME MODEL_DIR; prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from memory import process_rss_bytes
+from rollout_engine import LLM, SamplingParams
+
+MiB = 1 << 20
+KV_CACHE_BYTES = 64 * MiB
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [300, 3, 42], list(range(20, 60))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+# One intra-op thread: on a loaded machine, spinning OpenMP workers slow small ops a lot.
+torch.set_num_threads(1)
+
+
+def greedy_tokens(llm: LLM) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in llm.generate(PROMPTS, GREEDY)]
+
+
+def checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+def _addresses(llm: LLM) -> tuple[dict[str, int], int]:
+    return llm.weight_ptrs(), llm.kv_cache_ptr()
+
+
+def _tag_states(llm: LLM) -> dict[str, str]:
+    return {tag: entry.state for tag, entry in llm.memory_state().tags.items()}
+
+
+def level2(model_dir: str) -> dict[str, Any]:
+    """sleep(level=2) releases both pools; weights come back only through update_weights."""
+    llm = LLM(model_dir, kv_cache_bytes=KV_CACHE_BYTES)
+    before, addresses = greedy_tokens(llm), _addresses(llm)
+    rss_awake = process_rss_bytes()
+    llm.sleep(level=2)
+    rss_asleep, states_asleep = process_rss_bytes(), _tag_states(llm)
+    llm.wake_up(["weights"])
+    weights = checkpoint(model_dir)
+    version = llm.update_weights(weights)
+    del weights
+    gc.collect()
+    llm.wake_up(["kv_cache"])
+    rss_woken = process_rss_bytes()
+    return {
+        "pool_bytes": llm.memory_state().pool_bytes,
+        "rss_awake": rss_awake,
+        "rss_asleep": rss_asleep,
+        "rss_woken": rss_woken,
+        "states_asleep": states_asleep,
+        "states_woken": _tag_states(llm),
+        "weight_version": version,
+        "same_outputs": greedy_tokens(llm) == before,
+        "same_addresses": _addresses(llm) == addresses,
+    }
+
+
+def release_kv(model_dir: str) -> dict[str, Any]:
+    """release_kv_cache_memory() releases the KV pool only; wake_up(["kv_cache"]) brings it back."""
+    llm = LLM(model_dir, kv_cache_bytes=KV_CACHE_BYTES)
+    before, addresses = greedy_tokens(llm), _addresses(llm)
+    rss_awake = process_rss_bytes()
+    llm.release_kv_cache_memory()
+    rss_released, states_released = process_rss_bytes(), _tag_states(llm)
+    llm.wake_up(["kv_cache"])
+    rss_woken = process_rss_bytes()
+    return {
+        "pool_bytes": llm.memory_state().pool_bytes,
+        "rss_awake": rss_awake,
+        "rss_released": rss_released,
+        "rss_woken": rss_woken,
+        "states_released": states_released,
+        "same_outputs": greedy_tokens(llm) == before,
+        "same_addresses": _addresses(llm) == addresses,
+    }
+
+
+def level1(model_dir: str) -> dict[str, Any]:
+    """sleep(level=1) keeps the weights in a host backup and releases the KV pool."""
+    llm = LLM(model_dir, kv_cache_bytes=KV_CACHE_BYTES)
+    before, addresses = greedy_tokens(llm), _addresses(llm)
+    rss_awake = process_rss_bytes()
+    llm.sleep(level=1)
+    rss_asleep, states_asleep = process_rss_bytes(), _tag_states(llm)
+    llm.wake_up()
+    return {
+        "pool_bytes": llm.memory_state().pool_bytes,
+        "rss_awake": rss_awake,
+        "rss_asleep": rss_asleep,
+        "rss_woken": process_rss_bytes(),
+        "states_asleep": states_asleep,
+        "same_outputs": greedy_tokens(llm) == before,
+        "same_addresses": _addresses(llm) == addresses,
+    }
+
+
+def _cycle(llm: LLM, weights: dict[str, torch.Tensor], step: int) -> None:
+    """Level 1 on even steps; level 2 + a full update on odd ones (the RL choreography)."""
+    if step % 2 == 0:
+        llm.sleep(level=1)
+        llm.wake_up()
+        return
+    llm.sleep(level=2)
+    llm.wake_up(["weights"])
+    llm.update_weights(weights)
+    llm.wake_up(["kv_cache"])
+
+
+def cycles(model_dir: str, num_cycles: int = 500) -> dict[str, Any]:
+    """Many sleep/wake cycles of both levels; resident memory must not grow."""
+    # A short timeline: it is a bounded log, and a full one keeps a constant size.
+    llm = LLM(model_dir, kv_cache_bytes=1 * MiB, timeline_max_events=100)
+    weights = checkpoint(model_dir)
+    before, addresses = greedy_tokens(llm), _addresses(llm)
+    for step in range(40):  # warm-up: first-use allocations of torch and Python
+        _cycle(llm, weights, step)
+    gc.collect()
+    rss_before = process_rss_bytes()
+    num_same_outputs = 0
+    for step in range(num_cycles):
+        _cycle(llm, weights, step)
+        if step % 100 == 99:
+            num_same_outputs += greedy_tokens(llm) == before
+    gc.collect()
+    return {
+        "num_cycles": num_cycles,
+        "num_checks": num_cycles // 100,
+        "num_same_outputs": num_same_outputs,
+        "rss_before": rss_before,
+        "rss_after": process_rss_bytes(),
+        "weight_version": llm.weight_version,
+        "same_addresses": _addresses(llm) == addresses,
+    }
+
+
+SCENARIOS: dict[str, Callable[[str], dict[str, Any]]] = {
+    "level2": level2,
+    "release_kv": release_kv,
+    "level1": level1,
+    "cycles": cycles,
+}
+
+
+if __name__ == "__main__":
+    print(json.dumps(SCENARIOS[sys.argv[1]](sys.argv[2])))
