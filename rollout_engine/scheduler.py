@@ -140,8 +140,13 @@ class Scheduler:
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         held_back: list[Request] = []
+        # Only worth waiting for a sibling's prefill if its blocks can be reused.
+        can_share = self.kv_cache_manager.enable_prefix_caching
         prefilling_groups = {
-            r.group_id for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
+            r.group_id
+            for r in self.running
+            if can_share and r.num_computed_tokens < r.num_prompt_tokens
+            and r.num_prompt_tokens > self.block_size
         }
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -160,8 +165,9 @@ class Scheduler:
             self.running.append(request)
             self._record(output, request, num_new)
             budget -= num_new
-            if request.num_computed_tokens < request.num_prompt_tokens:
-                prefilling_groups.add(request.group_id)
+            if can_share and request.num_computed_tokens < request.num_prompt_tokens:
+                if request.num_prompt_tokens > self.block_size:
+                    prefilling_groups.add(request.group_id)
         self.waiting.extendleft(reversed(held_back))
 
     def _num_new_tokens(self, request: Request, budget: int, num_computed: int | None = None) -> int:
@@ -249,10 +255,12 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens but max_model_len is "
                 f"{self.max_model_len}; shorten the prompt (room for at least one new token)"
             )
+        # KV is never needed for the last token, nor past the model length.
         max_len = min(
             request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len
         )
-        num_blocks_needed = cdiv(max_len + self.num_draft_slots, self.block_size)
+        num_positions = min(max_len - 1 + self.num_draft_slots, self.max_model_len)
+        num_blocks_needed = cdiv(num_positions, self.block_size)
         if num_blocks_needed > self.kv_cache_manager.num_blocks:
             raise OutOfBlocksError(
                 f"a request of up to {max_len} tokens needs {num_blocks_needed} KV blocks but the "

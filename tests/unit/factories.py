@@ -1,0 +1,319 @@
+"""Builders for ledger-level tests: schedulers, requests, and a stand-in model runner."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import zlib
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from rollout_engine.config import CacheConfig, RuntimeLimits, SchedulerConfig, SpeculativeConfig
+from rollout_engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from rollout_engine.request import Request, RequestStatus
+from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.scheduler import Scheduler
+
+_SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
+_CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
+_SCHEDULER_DEFAULTS = {"max_num_batched_tokens": 64, "max_num_seqs": 16, "max_model_len": 256}
+_CACHE_DEFAULTS = {"block_size": 4, "num_blocks": 128, "enable_prefix_caching": True}
+
+# Prompt tokens come from a fresh range per request, so prefix caching only sees the
+# sharing a test asks for; generated tokens live in a range of their own.
+_PROMPT_TOKEN_BASE = 100_000
+_next_prompt_token = itertools.count(_PROMPT_TOKEN_BASE)
+GENERATED_TOKEN_BASE = 10_000_000
+
+TokenFn = Callable[[str, int], int]
+
+
+def make_scheduler(
+    *,
+    num_speculative_tokens: int = 0,
+    eos_token_ids: Sequence[int] | None = None,
+    **overrides: object,
+) -> Scheduler:
+    """A scheduler with small test defaults; any SchedulerConfig/CacheConfig field overrides.
+
+    With `eos_token_ids` the limits go through `RuntimeLimits`, as the engine passes them.
+    """
+    scheduler_kwargs = dict(_SCHEDULER_DEFAULTS)
+    cache_kwargs = dict(_CACHE_DEFAULTS)
+    for key, value in overrides.items():
+        if key in _SCHEDULER_FIELDS:
+            scheduler_kwargs[key] = value
+        elif key in _CACHE_FIELDS:
+            cache_kwargs[key] = value
+        else:
+            raise TypeError(f"unknown scheduler option {key!r}")
+    scheduler_config = SchedulerConfig(**scheduler_kwargs)
+    cache_config = CacheConfig(**cache_kwargs)
+    speculative_config = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens)
+    limits = None
+    if eos_token_ids is not None:
+        limits = RuntimeLimits(
+            num_blocks=cache_config.num_blocks,
+            max_model_len=scheduler_config.max_model_len,
+            vocab_size=GENERATED_TOKEN_BASE * 2,
+            eos_token_ids=tuple(eos_token_ids),
+        )
+    return Scheduler(scheduler_config, cache_config, speculative_config, limits)
+
+
+def fresh_token_ids(num_tokens: int) -> list[int]:
+    """Token ids never handed out before in this process."""
+    return [next(_next_prompt_token) for _ in range(num_tokens)]
+
+
+def make_request(
+    request_id: str,
+    prompt_token_ids: Sequence[int] | None = None,
+    *,
+    num_prompt_tokens: int = 8,
+    max_tokens: int = 16,
+    group_id: str | None = None,
+    sample_index: int = 0,
+    **sampling_kwargs: object,
+) -> Request:
+    """One request; without explicit prompt tokens it gets fresh, unshared ones."""
+    if prompt_token_ids is None:
+        prompt_token_ids = fresh_token_ids(num_prompt_tokens)
+    params = SamplingParams(max_tokens=max_tokens, **sampling_kwargs)
+    return Request(
+        request_id, list(prompt_token_ids), params, group_id=group_id, sample_index=sample_index
+    )
+
+
+def make_requests(
+    num_requests: int,
+    num_prompt_tokens: int = 8,
+    *,
+    prefix_token_ids: Sequence[int] = (),
+    id_prefix: str = "req",
+    **kwargs: object,
+) -> list[Request]:
+    """`num_requests` requests, each `prefix_token_ids` + fresh tokens up to the length."""
+    num_fresh = num_prompt_tokens - len(prefix_token_ids)
+    assert num_fresh >= 0, f"prefix of {len(prefix_token_ids)} exceeds {num_prompt_tokens}"
+    return [
+        make_request(
+            f"{id_prefix}-{i}", list(prefix_token_ids) + fresh_token_ids(num_fresh), **kwargs
+        )
+        for i in range(num_requests)
+    ]
+
+
+def make_group(
+    group_id: str, n: int, prompt_token_ids: Sequence[int], **kwargs: object
+) -> list[Request]:
+    """The `n` sampled requests of one prompt (a GRPO group), as the engine builds them."""
+    return [
+        make_request(
+            f"{group_id}/{j}", prompt_token_ids, group_id=group_id, sample_index=j, **kwargs
+        )
+        for j in range(n)
+    ]
+
+
+def token_for(request_id: str, position: int) -> int:
+    """The stand-in model's token at `position` of a request: a fixed function of both."""
+    return GENERATED_TOKEN_BASE + zlib.crc32(f"{request_id}@{position}".encode()) % 1_000_000
+
+
+def logprob_for(position: int) -> float:
+    return -0.125 * (position % 8)
+
+
+class FakeModelRunner:
+    """Plays the model runner for the ledger: samples known tokens and simulates the KV cache.
+
+    The "model" emits `token_fn(request_id, position)` at every position. Drafts are
+    verified greedily against it (accept while equal), unless `num_accepted` fixes how
+    many drafts to accept (an int for all requests, or a mapping by request id).
+
+    The KV cache is simulated: the value written at a position is a hash of the whole
+    token prefix up to it, as real KV depends on every earlier token. After a step's
+    writes, every position a request attends to must hold its own prefix's value, so a
+    wrong cache hit, a block reused while referenced, or stale draft KV that is read fails.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        *,
+        token_fn: TokenFn = token_for,
+        num_accepted: int | Mapping[str, int] | None = None,
+        check_kv: bool = True,
+    ) -> None:
+        self.token_fn = token_fn
+        self.num_accepted = num_accepted
+        self.check_kv = check_kv
+        self.block_size = scheduler.block_size
+        num_blocks = scheduler.kv_cache_manager.num_blocks
+        self.kv: list[list[int | None]] = [[None] * self.block_size for _ in range(num_blocks)]
+        self.num_steps = 0
+        self.num_drafts_scheduled = 0
+        self.num_drafts_accepted = 0
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.num_steps += 1
+        sequences = {
+            s.request_id: self._check_inputs(s) for s in scheduler_output.scheduled_requests
+        }
+        if self.check_kv:
+            self._write_kv(scheduler_output.scheduled_requests, sequences)
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[float]] = {}
+        for scheduled in scheduler_output.scheduled_requests:
+            if not scheduled.needs_sample:
+                continue
+            tokens = self._sample(scheduled)
+            first = len(scheduled.prompt_token_ids) + len(scheduled.output_token_ids)
+            sampled[scheduled.request_id] = tokens
+            logprobs[scheduled.request_id] = [logprob_for(first + i) for i in range(len(tokens))]
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _check_inputs(self, scheduled: ScheduledRequest) -> list[int]:
+        """The request's tokens (committed + drafts); checks what the runner was given."""
+        committed = list(scheduled.prompt_token_ids) + list(scheduled.output_token_ids)
+        num_spec = scheduled.num_spec_tokens
+        drafts = scheduled.input_token_ids[len(scheduled.input_token_ids) - num_spec :]
+        sequence = committed + drafts
+        start = scheduled.start_position
+        end = start + len(scheduled.input_token_ids)
+        assert scheduled.input_token_ids, f"{scheduled.request_id}: empty input"
+        assert scheduled.input_token_ids == sequence[start:end], (
+            f"{scheduled.request_id}: input {scheduled.input_token_ids} != tokens "
+            f"{sequence[start:end]} at [{start}, {end})"
+        )
+        if num_spec:
+            assert end - num_spec == len(committed), f"{scheduled.request_id}: drafts misplaced"
+        assert scheduled.needs_sample == (end >= len(committed)), scheduled.request_id
+        assert len(scheduled.block_ids) * self.block_size >= end, (
+            f"{scheduled.request_id}: {len(scheduled.block_ids)} blocks for {end} positions"
+        )
+        assert len(set(scheduled.block_ids)) == len(scheduled.block_ids), scheduled.block_ids
+        return sequence
+
+    def _write_kv(
+        self, scheduled_requests: list[ScheduledRequest], sequences: dict[str, list[int]]
+    ) -> None:
+        bs = self.block_size
+        writes: dict[tuple[int, int], int] = {}
+        chains: dict[str, list[int]] = {}
+        for scheduled in scheduled_requests:
+            chain = _prefix_hashes(sequences[scheduled.request_id])
+            chains[scheduled.request_id] = chain
+            end = scheduled.start_position + len(scheduled.input_token_ids)
+            for pos in range(scheduled.start_position, end):
+                slot = (scheduled.block_ids[pos // bs], pos % bs)
+                previous = writes.setdefault(slot, chain[pos])
+                assert previous == chain[pos], (
+                    f"two requests write different KV to block {slot[0]} slot {slot[1]} "
+                    f"in one step ({scheduled.request_id} at position {pos})"
+                )
+        for (block_id, offset), value in writes.items():
+            self.kv[block_id][offset] = value
+        for scheduled in scheduled_requests:
+            chain = chains[scheduled.request_id]
+            end = scheduled.start_position + len(scheduled.input_token_ids)
+            for pos in range(end):
+                block_id = scheduled.block_ids[pos // bs]
+                assert self.kv[block_id][pos % bs] == chain[pos], (
+                    f"{scheduled.request_id} reads wrong KV at position {pos} "
+                    f"(block {block_id}, start {scheduled.start_position})"
+                )
+
+    def _sample(self, scheduled: ScheduledRequest) -> list[int]:
+        rid = scheduled.request_id
+        num_committed = len(scheduled.prompt_token_ids) + len(scheduled.output_token_ids)
+        num_spec = scheduled.num_spec_tokens
+        drafts = scheduled.input_token_ids[len(scheduled.input_token_ids) - num_spec :]
+        if self.num_accepted is None:
+            num_ok = 0
+            while num_ok < num_spec and drafts[num_ok] == self.token_fn(
+                rid, num_committed + num_ok
+            ):
+                num_ok += 1
+        elif isinstance(self.num_accepted, int):
+            num_ok = min(self.num_accepted, num_spec)
+        else:
+            num_ok = min(self.num_accepted.get(rid, 0), num_spec)
+        self.num_drafts_scheduled += num_spec
+        self.num_drafts_accepted += num_ok
+        return drafts[:num_ok] + [self.token_fn(rid, num_committed + num_ok)]
+
+
+def _prefix_hashes(token_ids: Sequence[int]) -> list[int]:
+    """hashes[p] stands for the KV at position p: it depends on tokens[0..p]."""
+    hashes, h = [], 0
+    for token_id in token_ids:
+        h = hash((h, token_id))
+        hashes.append(h)
+    return hashes
+
+
+def run_step(
+    scheduler: Scheduler, runner: FakeModelRunner
+) -> tuple[SchedulerOutput, list[Request]]:
+    """One engine step: schedule, run, commit."""
+    scheduler_output = scheduler.schedule()
+    runner_output = runner.execute(scheduler_output)
+    return scheduler_output, scheduler.update_from_output(scheduler_output, runner_output)
+
+
+def iterate_steps(
+    scheduler: Scheduler, runner: FakeModelRunner, max_steps: int = 10_000
+) -> Iterator[tuple[SchedulerOutput, list[Request]]]:
+    """Step until no request is left, checking the ledger; fails instead of looping forever."""
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return
+        yield run_step(scheduler, runner)
+        check_ledger_invariants(scheduler)
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
+def run_until_done(scheduler: Scheduler, runner: FakeModelRunner, max_steps: int = 10_000) -> int:
+    """Step until no request is left; returns the number of steps."""
+    return sum(1 for _ in iterate_steps(scheduler, runner, max_steps))
+
+
+def check_ledger_invariants(scheduler: Scheduler) -> None:
+    """Between steps: queues, ledger and block ref counts agree with each other."""
+    kv = scheduler.kv_cache_manager
+    pool = kv.block_pool
+    running_ids = {r.request_id for r in scheduler.running}
+    waiting_ids = {r.request_id for r in scheduler.waiting}
+    assert len(running_ids) == len(scheduler.running), f"duplicate running: {scheduler.running}"
+    assert len(waiting_ids) == len(scheduler.waiting), f"duplicate waiting: {scheduler.waiting}"
+    assert not running_ids & waiting_ids, "a request both running and waiting"
+    assert running_ids | waiting_ids == set(scheduler.requests)
+    assert len(running_ids) <= scheduler.config.max_num_seqs
+    ref_counts: Counter[int] = Counter()
+    for request in scheduler.requests.values():
+        block_ids = kv.get_block_ids(request.request_id)
+        assert len(set(block_ids)) == len(block_ids), f"{request}: repeated block {block_ids}"
+        assert 0 <= request.num_computed_tokens <= request.num_tokens, request
+        assert len(block_ids) * scheduler.block_size >= request.num_computed_tokens, request
+        assert request.num_tokens <= scheduler.max_model_len, request
+        if request.status is RequestStatus.RUNNING:
+            assert request.request_id in running_ids and block_ids, request
+        else:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
+            assert request.request_id in waiting_ids, request
+            assert request.num_computed_tokens == 0 and not block_ids, request
+        ref_counts.update(block_ids)
+    for block in pool.blocks:
+        assert block.ref_count == ref_counts[block.block_id], (
+            f"block {block.block_id}: ref_count {block.ref_count}, "
+            f"{ref_counts[block.block_id]} block tables hold it"
+        )
+        is_free = block.block_id in pool._free
+        assert is_free == (block.ref_count == 0), f"block {block.block_id} free={is_free}"
+    assert pool.num_free_blocks == pool.num_blocks - len(ref_counts)
+    for block_hash, block in pool._cached.items():
+        assert block.block_hash == block_hash, f"block {block.block_id} indexed under a stale hash"
+        assert len(block.token_ids) == scheduler.block_size, block
+    assert sum(b.block_hash is not None for b in pool.blocks) == pool.num_cached_blocks
