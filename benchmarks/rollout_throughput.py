@@ -98,7 +98,7 @@ def run_hf_generate(model_dir: str, prompts, args) -> tuple[float, int]:
 @torch.inference_mode()
 def run_hf_generate_batch(model_dir: str, prompts, args) -> tuple[float, int]:
     """TRL's continuous-batching path (transformers' paged `generate_batch`)."""
-    model = _hf_model(model_dir, attn_implementation="sdpa_paged")
+    model = _hf_model(model_dir, attn_implementation="sdpa")
     start = time.perf_counter()
     results = model.generate_batch(prompts, generation_config=_generation_config(args),
                                    progress_bar=True)
