@@ -51,6 +51,10 @@ class MemoryBackend(abc.ABC):
     def as_tensor(self, region: Region) -> torch.Tensor:
         """A uint8 tensor over the whole range, valid for the region's lifetime."""
 
+    def zero(self, region: Region) -> None:
+        """Fill the mapped range with zeros; afterwards all of it is resident."""
+        self.as_tensor(region).zero_()
+
     @abc.abstractmethod
     def backup(self, region: Region) -> HostBackup:
         """Copy the mapped range into new host memory."""

@@ -69,6 +69,11 @@ class MemoryPool:
         """Forget every allocation; tensors handed out before alias the ones handed out next."""
         self._num_allocated_bytes = 0
 
+    def zero_(self) -> None:
+        """Fill the whole pool with zeros and make its memory resident (in bulk on CPU)."""
+        assert self.is_mapped, f"pool {self.tag!r} is not mapped"
+        self._backend.zero(self._region)
+
     def as_bytes(self) -> torch.Tensor:
         """The whole capacity as one uint8 tensor of `num_bytes` elements."""
         return self._backend.as_tensor(self._region)[: self.num_bytes]

@@ -1,5 +1,6 @@
 """Timestamped memory events and a background sampler of process and device memory."""
 
+import collections
 import contextlib
 import json
 import os
@@ -14,10 +15,16 @@ from memory.process_memory import cuda_device_memory_bytes, process_rss_bytes
 
 
 class MemoryTimeline:
-    """A thread-safe list of events: {"time_s": unix seconds, "event": name, ...fields}."""
+    """A thread-safe list of events: {"time_s": unix seconds, "event": name, ...fields}.
 
-    def __init__(self) -> None:
-        self._events: list[dict[str, Any]] = []
+    With `max_events`, only the newest that many are kept, so a long-lived process does not
+    grow without bound.
+    """
+
+    def __init__(self, max_events: int | None = None) -> None:
+        if max_events is not None and max_events < 1:
+            raise ValueError(f"max_events must be >= 1 or None, got {max_events}")
+        self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=max_events)
         self._lock = threading.Lock()
         self._sampler: _Sampler | None = None
 

@@ -112,6 +112,17 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    """Sleep mode and memory accounting (see DESIGN.md, "Memory")."""
+
+    timeline_max_events: int = 10_000
+    """The memory timeline keeps only this many newest events (sleep, wake, weight updates)."""
+
+    def __post_init__(self) -> None:
+        _require(self.timeline_max_events >= 1, "timeline_max_events must be >= 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs, grouped by concern."""
 
@@ -119,6 +130,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    memory_config: MemoryConfig = field(default_factory=MemoryConfig)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -136,6 +148,7 @@ class EngineConfig:
             scheduler_config=SchedulerConfig(**groups["scheduler_config"]),
             cache_config=CacheConfig(**groups["cache_config"]),
             speculative_config=SpeculativeConfig(**groups["speculative_config"]),
+            memory_config=MemoryConfig(**groups["memory_config"]),
         )
 
 
@@ -154,6 +167,7 @@ _GROUPS: dict[str, type] = {
     "scheduler_config": SchedulerConfig,
     "cache_config": CacheConfig,
     "speculative_config": SpeculativeConfig,
+    "memory_config": MemoryConfig,
 }
 _FIELD_OWNER: dict[str, str] = {
     f.name: group

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -13,6 +13,12 @@ from rollout_engine.errors import InvalidRequestError
 from rollout_engine.llm_engine import LLMEngine
 from rollout_engine.outputs import RequestOutput
 from rollout_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from memory import MemoryTimeline
+    from rollout_engine.engine_memory import MemoryState
+    from rollout_engine.llm_engine import SleepMode
+    from rollout_engine.weight_update import ManifestEntry, NamedTensors, WeightUpdateSession
 
 
 class LLM:
@@ -45,6 +51,42 @@ class LLM:
             self._drain(set(request_ids))
             raise
         return self._run(request_ids, sum(p.n for p in params), use_tqdm)
+
+    # -- memory and weights: see LLMEngine for the semantics -----------------------------------
+    def sleep(self, level: int = 1, mode: SleepMode = "abort") -> list[RequestOutput]:
+        return self.engine.sleep(level, mode)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self.engine.wake_up(tags)
+
+    def release_kv_cache_memory(self) -> list[RequestOutput]:
+        return self.engine.release_kv_cache_memory()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    def update_weights(self, named_tensors: NamedTensors) -> int:
+        return self.engine.update_weights(named_tensors)
+
+    def begin_weight_update(self, manifest: Sequence[ManifestEntry]) -> WeightUpdateSession:
+        return self.engine.begin_weight_update(manifest)
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def memory_state(self) -> MemoryState:
+        return self.engine.memory_state()
+
+    @property
+    def memory_timeline(self) -> MemoryTimeline:
+        return self.engine.memory_timeline
+
+    def kv_cache_ptr(self) -> int:
+        return self.engine.kv_cache_ptr()
+
+    def weight_ptrs(self) -> dict[str, int]:
+        return self.engine.weight_ptrs()
 
     def _run(self, request_ids: list[str], num_completions: int, use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

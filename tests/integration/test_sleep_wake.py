@@ -77,6 +77,8 @@ def test_level2_wake_up_without_an_update_refuses_to_generate(llm):
     llm.wake_up()
     assert tag_states(llm) == {"weights": ("discarded", True), "kv_cache": ("awake", True)}
     assert not llm.memory_state().weights_valid
+    # Discarded weights come back zero-filled: no stale bytes, and the memory is claimed now.
+    assert all(not p.any() for p in llm.engine.model_runner.model.parameters())
     with pytest.raises(EngineSleepingError, match=r"discarded by sleep\(level=2\).*update_weights"):
         llm.generate(PROMPTS, GREEDY)
     assert not llm.engine.has_unfinished_requests()

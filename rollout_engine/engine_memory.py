@@ -1,0 +1,206 @@
+"""The engine's memory: weights and KV cache pools, sleep/wake transitions, readiness checks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from memory import MemoryManager, MemoryPool, MemoryTimeline, TagState
+from rollout_engine.errors import EngineSleepingError, InvalidRequestError
+
+WEIGHTS_TAG = "weights"
+KV_CACHE_TAG = "kv_cache"
+MEMORY_TAGS: tuple[str, ...] = (WEIGHTS_TAG, KV_CACHE_TAG)
+
+# Why the weights' contents are not valid, for the error a caller sees.
+_DiscardCause = Literal["sleep", "update"]
+
+
+@dataclass(frozen=True)
+class TagMemoryState:
+    """One pool as the user sees it."""
+
+    state: str
+    """"awake", "offloaded" (contents in a host backup) or "discarded" (contents lost)."""
+    mapped: bool
+    """Whether physical memory backs the pool right now."""
+    bytes: int
+    """Capacity of the pool."""
+
+
+@dataclass(frozen=True)
+class MemoryState:
+    """A snapshot of the engine's memory, as `memory_state()` returns it."""
+
+    tags: dict[str, TagMemoryState]
+    pool_bytes: dict[str, int]
+    is_sleeping: bool
+    """True while any pool's memory is released."""
+    weights_valid: bool
+    """False after sleep(level=2) and during (or after a cut-off) weight update."""
+    process_rss_bytes: int
+    device_memory: dict[str, int] | None
+    """{"device_used_bytes", "device_total_bytes"} on CUDA, None on CPU."""
+
+
+class EngineMemory:
+    """Owns the MemoryManager with one pool for the weights and one for the KV cache.
+
+    A tag woken from "discarded" is zero-filled at once: on CPU that makes its pages
+    resident now (the memory is claimed at wake time, as on a GPU), and on CUDA it clears
+    contents the driver leaves undefined, so stale bytes never reach attention.
+    """
+
+    def __init__(self, device: torch.device, timeline: MemoryTimeline | None = None) -> None:
+        self.manager = MemoryManager(device, timeline)
+        self._weights_discard_cause: _DiscardCause | None = None
+        self._is_ready = True
+
+    # ------------------------------------------------------------------ pools
+    def create_weights_pool(self, num_bytes: int) -> MemoryPool:
+        """The pool the loader carves parameters out of (`build_model(allocate=pool.allocate)`)."""
+        return self.manager.create_pool(WEIGHTS_TAG, num_bytes)
+
+    def allocate_kv_cache(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """The KV cache tensor, zero-filled, as the only tenant of the "kv_cache" pool."""
+        num_bytes = math.prod(shape) * dtype.itemsize
+        pool = self.manager.create_pool(KV_CACHE_TAG, num_bytes)
+        pool.zero_()
+        return pool.allocate(shape, dtype)  # [L, 2, num_blocks, bs, Hkv, D]
+
+    # ------------------------------------------------------------------ transitions
+    def sleep(self, level: int) -> None:
+        """Level 1: weights to a host backup, KV discarded. Level 2: both discarded."""
+        assert level in (1, 2), level
+        self.manager.sleep(WEIGHTS_TAG, offload=level == 1)
+        if level == 2:
+            self.manager.mark_invalid(WEIGHTS_TAG)  # also drops a backup of an earlier level 1
+            self._weights_discard_cause = "sleep"
+        self.manager.sleep(KV_CACHE_TAG, offload=False)
+        self._update_ready()
+
+    def release_kv_cache(self) -> None:
+        self.manager.sleep(KV_CACHE_TAG, offload=False)
+        self._update_ready()
+
+    def wake_up(self, tags: Sequence[str]) -> None:
+        """Map the named tags again; offloaded weights come back, discarded ones stay invalid."""
+        for tag in tags:
+            if self.manager.is_mapped(tag):
+                continue
+            self.manager.wake(tag)
+            if self.manager.state(tag) is TagState.DISCARDED:
+                self.manager.pool(tag).zero_()
+        if KV_CACHE_TAG in tags:
+            self.manager.mark_valid(KV_CACHE_TAG)  # KV is scratch: mapped means usable
+        self._update_ready()
+
+    def begin_weight_update(self) -> None:
+        """Mark the weights inconsistent until `finish_weight_update()`."""
+        self.manager.mark_invalid(WEIGHTS_TAG)
+        self._weights_discard_cause = "update"
+        self._update_ready()
+
+    def finish_weight_update(self) -> None:
+        self.manager.mark_valid(WEIGHTS_TAG)
+        self._weights_discard_cause = None
+        self._update_ready()
+
+    # ------------------------------------------------------------------ checks
+    @property
+    def is_ready(self) -> bool:
+        """Weights valid and mapped, KV mapped: the model may run."""
+        return self._is_ready
+
+    @property
+    def weights_valid(self) -> bool:
+        """Awake, or offloaded with a backup: the contents need no update."""
+        return self.manager.state(WEIGHTS_TAG) is not TagState.DISCARDED
+
+    @property
+    def weights_mapped(self) -> bool:
+        return self.manager.is_mapped(WEIGHTS_TAG)
+
+    def check_ready(self) -> None:
+        """EngineSleepingError saying what to call, unless the model may run."""
+        if self._is_ready:
+            return
+        problems = [p for p in (self._weights_problem(), self._kv_problem()) if p]
+        raise EngineSleepingError("cannot generate: " + "; and ".join(problems))
+
+    def check_weights_mapped(self) -> None:
+        """EngineSleepingError unless the weights pool is mapped (so it can be written)."""
+        if not self.weights_mapped:
+            raise EngineSleepingError(
+                "the weights are asleep; call wake_up(['weights']) before updating them"
+            )
+
+    def _weights_problem(self) -> str | None:
+        state, mapped = self.manager.state(WEIGHTS_TAG), self.weights_mapped
+        if state is TagState.AWAKE:
+            return None
+        if state is TagState.OFFLOADED:
+            return "the weights are offloaded to host memory by sleep(level=1); call wake_up(['weights'])"
+        if not mapped:
+            return (
+                "the weights are released and their contents discarded; call wake_up(['weights']), "
+                "then update_weights(...) with every parameter"
+            )
+        if self._weights_discard_cause == "sleep":
+            return (
+                "the weights were discarded by sleep(level=2); call update_weights(...) "
+                "with every parameter first"
+            )
+        return (
+            "a weight update is in progress or was cut off; finish a complete "
+            "update_weights(...) first"
+        )
+
+    def _kv_problem(self) -> str | None:
+        if self.manager.is_mapped(KV_CACHE_TAG):
+            return None
+        return "the KV cache is released; call wake_up(['kv_cache'])"
+
+    def _update_ready(self) -> None:
+        self._is_ready = (
+            self.manager.state(WEIGHTS_TAG) is TagState.AWAKE
+            and self.manager.is_mapped(KV_CACHE_TAG)
+        )
+
+    # ------------------------------------------------------------------ accounting
+    def state(self) -> MemoryState:
+        raw = self.manager.memory_state()
+        tags = {
+            tag: TagMemoryState(entry["state"], entry["mapped"], entry["bytes"])
+            for tag, entry in raw["tags"].items()
+        }
+        device_memory = {k: v for k, v in raw.items() if k.startswith("device_")}
+        return MemoryState(
+            tags=tags,
+            pool_bytes={tag: entry.bytes for tag, entry in tags.items()},
+            is_sleeping=not all(entry.mapped for entry in tags.values()),
+            weights_valid=self.weights_valid,
+            process_rss_bytes=raw["process_rss_bytes"],
+            device_memory=device_memory or None,
+        )
+
+
+def check_tags(tags: Sequence[str] | None) -> list[str]:
+    """The tags to wake, in pool order; InvalidRequestError naming the valid ones."""
+    if tags is None:
+        return list(MEMORY_TAGS)
+    if isinstance(tags, str) or not isinstance(tags, Sequence):
+        raise InvalidRequestError(
+            f"tags must be a list of memory tags such as ['weights'], got {tags!r}; "
+            f"valid tags: {list(MEMORY_TAGS)}"
+        )
+    for tag in tags:
+        if tag not in MEMORY_TAGS:
+            raise InvalidRequestError(
+                f"unknown memory tag {tag!r}; valid tags: {list(MEMORY_TAGS)}"
+            )
+    return [tag for tag in MEMORY_TAGS if tag in tags]

@@ -1,0 +1,209 @@
+"""Weight updates: a manifest validated whole before a byte is written, then a write session.
+
+Names are the model's parameter names as `model.named_parameters()` gives them (the Hugging
+Face checkpoint names). Dtypes must equal the parameter's dtype exactly: a cast would hide a
+trainer that sends bf16 to an fp32 engine (or the reverse), so it is refused instead. With
+tied embeddings `lm_head.weight` is the same tensor as `model.embed_tokens.weight`: it is
+accepted and written there, or ignored (still checked) when the manifest names both.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from rollout_engine.errors import WeightUpdateError
+
+ManifestEntry = tuple[str, tuple[int, ...], torch.dtype]
+"""(name, shape, dtype) of one tensor an update will send."""
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+_TIED_ALIASES = {"lm_head.weight": "model.embed_tokens.weight"}
+_MAX_NAMES_SHOWN = 8
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one manifest entry goes; `param` is None for an ignored tied alias."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    param: torch.Tensor | None
+
+
+def weight_targets(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The model's parameters by name, and alias -> parameter name for tied weights."""
+    params = {name: param.data for name, param in model.named_parameters()}
+    aliases = {a: p for a, p in _TIED_ALIASES.items() if a not in params and p in params}
+    return params, aliases
+
+
+def plan_update(
+    manifest: Iterable[ManifestEntry],
+    params: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, str],
+    require_all: str | None,
+) -> dict[str, _Target]:
+    """Check every entry; with `require_all` (the reason) every parameter must be covered."""
+    entries = [_check_entry(entry) for entry in manifest]
+    if not entries:
+        raise WeightUpdateError("the weight update manifest is empty; send at least one tensor")
+    names = [name for name, _, _ in entries]
+    duplicates = sorted(n for n, count in Counter(names).items() if count > 1)
+    if duplicates:
+        raise WeightUpdateError(f"the manifest names {_shown(duplicates)} more than once")
+    plan = {name: _target(name, shape, dtype, params, aliases, names) for name, shape, dtype in entries}
+    if require_all is not None:
+        covered = {aliases.get(name, name) for name in names}
+        missing = sorted(set(params) - covered)
+        if missing:
+            raise WeightUpdateError(
+                f"{require_all}, so an update must cover every parameter; the manifest lacks "
+                f"{len(missing)} of {len(params)}: {_shown(missing)}"
+            )
+    return plan
+
+
+def _check_entry(entry: object) -> ManifestEntry:
+    try:
+        name, shape, dtype = entry  # type: ignore[misc]
+        shape = tuple(operator.index(s) for s in shape)
+    except (TypeError, ValueError):
+        raise WeightUpdateError(
+            f"a manifest entry must be (name, shape, dtype), got {entry!r}"
+        ) from None
+    if not isinstance(name, str) or not isinstance(dtype, torch.dtype):
+        raise WeightUpdateError(
+            f"a manifest entry must be (str name, shape, torch.dtype), got {entry!r}"
+        )
+    return name, shape, dtype
+
+
+def _target(
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    params: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, str],
+    names: list[str],
+) -> _Target:
+    param_name = aliases.get(name, name)
+    param = params.get(param_name)
+    if param is None:
+        raise WeightUpdateError(
+            f"unknown parameter name {name!r}; names must be the model's parameter names "
+            f"(model.named_parameters()), e.g. {_shown(sorted(params)[:3])}"
+        )
+    if shape != tuple(param.shape):
+        raise WeightUpdateError(
+            f"parameter {name!r}: the update has shape {list(shape)}, "
+            f"the model has {list(param.shape)}"
+        )
+    if dtype != param.dtype:
+        raise WeightUpdateError(
+            f"parameter {name!r}: the update has dtype {dtype}, the model has {param.dtype}; "
+            f"cast it to {param.dtype} before sending"
+        )
+    is_ignored_alias = name != param_name and param_name in names
+    return _Target(shape, dtype, None if is_ignored_alias else param)
+
+
+def _shown(names: list[str]) -> str:
+    more = f" and {len(names) - _MAX_NAMES_SHOWN} more" if len(names) > _MAX_NAMES_SHOWN else ""
+    return ", ".join(repr(n) for n in names[:_MAX_NAMES_SHOWN]) + more
+
+
+class WeightUpdateSession:
+    """Writes the tensors of a validated manifest; `finish()` once every one was written.
+
+    Until `finish()` succeeds the engine's weights are marked inconsistent and generation is
+    refused. `abort()` (or a failed `finish()`) leaves them so until a complete update lands.
+    """
+
+    def __init__(
+        self,
+        plan: dict[str, _Target],
+        on_finish: Callable[[WeightUpdateSession], int],
+        on_close: Callable[[WeightUpdateSession, str], None],
+    ) -> None:
+        self._plan = plan
+        self._on_finish = on_finish
+        self._on_close = on_close
+        self._written: set[str] = set()
+        self._closed_reason: str | None = None
+        self.num_bytes = sum(t.param.nbytes for t in plan.values() if t.param is not None)
+
+    @property
+    def is_open(self) -> bool:
+        return self._closed_reason is None
+
+    @property
+    def num_pending(self) -> int:
+        """Manifest tensors not written yet."""
+        return len(self._plan) - len(self._written)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one manifest tensor into its parameter (any device; same shape and dtype)."""
+        self._check_open()
+        target = self._plan.get(name)
+        if target is None:
+            raise WeightUpdateError(f"{name!r} is not in this update's manifest")
+        if name in self._written:
+            raise WeightUpdateError(f"{name!r} was already written in this update")
+        if not isinstance(tensor, torch.Tensor):
+            raise WeightUpdateError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tuple(tensor.shape) != target.shape or tensor.dtype != target.dtype:
+            raise WeightUpdateError(
+                f"{name!r}: got a {list(tensor.shape)} {tensor.dtype} tensor, the manifest "
+                f"announced {list(target.shape)} {target.dtype}"
+            )
+        if target.param is not None:
+            with torch.no_grad():
+                target.param.copy_(tensor)
+        self._written.add(name)
+
+    def finish(self) -> int:
+        """End the update; the new weight version. Refused (and aborted) if a tensor is missing."""
+        self._check_open()
+        missing = sorted(set(self._plan) - self._written)
+        if missing:
+            self.abort("it was finished with tensors missing")
+            raise WeightUpdateError(
+                f"the update is incomplete: {len(missing)} of {len(self._plan)} manifest tensors "
+                f"were never written ({_shown(missing)}); the weights stay inconsistent and "
+                f"generation is refused until a complete update lands"
+            )
+        self._closed_reason = "it finished"
+        return self._on_finish(self)
+
+    def abort(self, reason: str = "it was aborted") -> None:
+        """Stop writing; the weights stay inconsistent until a complete update lands."""
+        if self._closed_reason is not None:
+            return
+        self._closed_reason = reason
+        self._on_close(self, reason)
+
+    def _check_open(self) -> None:
+        if self._closed_reason is not None:
+            raise WeightUpdateError(
+                f"this weight update session is closed ({self._closed_reason}); "
+                f"begin a new one with begin_weight_update(...)"
+            )
+
+
+def materialize(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from a mapping or an iterable of pairs; WeightUpdateError otherwise."""
+    items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+    for item in items:
+        if not (
+            isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+            and isinstance(item[1], torch.Tensor)
+        ):
+            raise WeightUpdateError(
+                f"update_weights takes {{name: tensor}} or (name, tensor) pairs; got {item!r:.80}"
+            )
+    return items
