@@ -32,6 +32,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def stats(self) -> dict[str, float]:
+        """Engine counters: KV blocks, preemptions, prefix-cache hits, speculative decoding."""
+        return self.engine.stats()
+
     def generate(
         self,
         prompts: str | Sequence[str] | Sequence[list[int]],

@@ -22,6 +22,7 @@ from rollout_engine.outputs import CompletionOutput, RequestOutput
 from rollout_engine.request import Request
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.scheduler import Scheduler
+from rollout_engine.spec_decode import SpecDecoder
 from rollout_engine.weight_update import (
     ManifestEntry, NamedTensors, WeightUpdateSession, materialize, plan_update, weight_targets,
 )
@@ -82,6 +83,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, config.speculative_config, self.limits
         )
+        spec_config = config.speculative_config
+        self.spec_decoder = SpecDecoder(spec_config, max_model_len) if spec_config.enabled else None
         self.weight_version = 0
         self._groups: dict[str, _Group] = {}
         self._aborted_group_ids: set[str] = set()
@@ -130,6 +133,21 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self._groups)
 
+    def stats(self) -> dict[str, float]:
+        """Counters: KV blocks, preemptions, prefix-cache hits, speculative decoding."""
+        manager = self.scheduler.kv_cache_manager
+        stats: dict[str, float] = {
+            "weight_version": self.weight_version,
+            "num_unfinished_requests": self.num_unfinished_requests,
+            "num_blocks": manager.num_blocks,
+            "num_free_blocks": manager.num_free_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_prefix_hit_tokens": self.scheduler.num_prefix_hit_tokens,
+        }
+        if self.spec_decoder is not None:
+            stats.update({f"spec_{k}": v for k, v in self.spec_decoder.stats.as_dict().items()})
+        return stats
+
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, commit tokens; outputs of prompts that progressed."""
@@ -138,6 +156,9 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.spec_decoder is not None:
+            self.spec_decoder.record(scheduler_output, runner_output)
+            self.spec_decoder.propose(self.scheduler.running, len(self.scheduler.running))
         group_ids = dict.fromkeys(r.group_id for r in updated)
         group_ids.update(dict.fromkeys(self._aborted_group_ids))
         self._aborted_group_ids.clear()
