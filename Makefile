@@ -32,5 +32,9 @@ bench: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m rollout_engine.demo
 
+# Regenerate the gRPC stubs from protos/rollout.proto (a test fails when they are stale).
+proto: $(STAMP)
+	$(PY) scripts/gen_proto.py
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache
