@@ -46,6 +46,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", self._build(), persistent=False)
 
     def _build(self) -> torch.Tensor:
+        with torch.device("cpu"):  # also when the model is being built on the meta device
+            return self._build_on_cpu()
+
+    def _build_on_cpu(self) -> torch.Tensor:
         inv_freq, scaling = rope_inv_freq(self.config, self.head_dim)
         positions = torch.arange(self.max_positions, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]

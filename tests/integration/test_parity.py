@@ -100,3 +100,13 @@ def test_group_prefilled_once(llama_dir):
     full_blocks = (len(prompt) - 1) // 4
     # Every sibling after the first reuses the prompt's full blocks.
     assert llm.engine.scheduler.num_prefix_hit_tokens == 7 * full_blocks * 4
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+    from rollout_engine.tiny_model import LLAMA3_ROPE_SCALING, build_tiny_model
+
+    model_dir = str(build_tiny_model(tmp_path / "llama3", "llama", rope_scaling=LLAMA3_ROPE_SCALING))
+    expected = hf_greedy_batch(model_dir, PROMPTS[:6], MAX_NEW_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    outputs = LLM(model_dir).generate(PROMPTS[:6], params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
