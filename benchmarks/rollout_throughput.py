@@ -6,6 +6,9 @@ in one process on the same model.
 
     python benchmarks/rollout_throughput.py                 # the default workload
     python benchmarks/rollout_throughput.py --num-prompts 8 --max-tokens 32   # quick look
+
+On a machine shared with other busy processes, `--threads 1` avoids the large slow-down
+that oversubscribed OpenMP threads cause (it applies to all three systems alike).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip", nargs="*", default=[], choices=["generate", "generate_batch"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     return parser.parse_args()
 
 
@@ -108,6 +112,8 @@ def run_hf_generate_batch(model_dir: str, prompts, args) -> tuple[float, int]:
 
 def main() -> None:
     args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or str(build_tiny_model(Path(tmp) / "model", args.arch, args.size))
