@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.set_defaults(runner=None, command=None)
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for add_subcommand in (_add_make_tiny_model, _add_generate):
+    for add_subcommand in (_add_make_tiny_model, _add_generate, _add_serve):
         add_subcommand(subparsers)
     return parser
 
@@ -158,6 +159,113 @@ def _run_generate(args: argparse.Namespace) -> int:
             if args.show_token_ids:
                 print(f"  token_ids: {list(completion.token_ids)}")
     return 0
+
+
+# serve ----------------------------------------------------------------------------------
+
+AUTH_TOKEN_ENV = "ROLLOUT_ENGINE_AUTH_TOKEN"
+
+
+def _parse_bytes(text: str) -> int:
+    """"1073741824", "512MiB", "2GiB", "64M" -> bytes (binary units)."""
+    units = {"k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+    value = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = units.get(value[-1:], 1)
+    number = value[:-1] if scale > 1 else value
+    try:
+        num_bytes = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 512MiB)") from None
+    if num_bytes <= 0:
+        raise argparse.ArgumentTypeError(f"byte count must be positive, got {text!r}")
+    return num_bytes
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    parser = _add_command(
+        subparsers,
+        "serve",
+        _run_serve,
+        "Serve a model over gRPC (RolloutEngine service, health, reflection)",
+        "Binds 127.0.0.1 by default and prints `rollout-engine serving MODEL on HOST:PORT` to "
+        "stderr once ready. SIGTERM drains in-flight calls for --shutdown-grace-s, then exits 0.",
+    )
+    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    net = parser.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    net.add_argument("--port", type=int, default=50051,
+                     help="TCP port; 0 picks a free one (default: %(default)s)")
+    net.add_argument("--auth-token", default=os.environ.get(AUTH_TOKEN_ENV),
+                     help="require `authorization: Bearer TOKEN` on every call but health "
+                     f"checks (default: ${AUTH_TOKEN_ENV})")
+    net.add_argument("--allow-insecure-remote", action="store_true",
+                     help="allow a non-loopback --host without --auth-token")
+    net.add_argument("--max-inflight-requests", type=int, default=4096,
+                     help="prompts in flight at once; more get RESOURCE_EXHAUSTED "
+                     "(default: %(default)s)")
+    net.add_argument("--max-message-bytes", type=_parse_bytes, default=64 * 1024**2,
+                     help="largest gRPC message either way (default: 64MiB)")
+    net.add_argument("--shutdown-grace-s", type=float, default=10.0,
+                     help="on SIGTERM, seconds in-flight calls get before they are aborted "
+                     "(default: %(default)s)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
+                        default="auto", help="(default: %(default)s)")
+    engine.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default: %(default)s)")
+    engine.add_argument("--seed", type=int, default=0,
+                        help="seed of the engine's random stream (default: %(default)s)")
+    engine.add_argument("--kv-cache-bytes", type=_parse_bytes,
+                        help="bytes of the KV pool, e.g. 2GiB (default: the engine's)")
+    engine.add_argument("--num-blocks", type=int, help="KV blocks (overrides --kv-cache-bytes)")
+    engine.add_argument("--block-size", type=int, help="tokens per KV block")
+    engine.add_argument("--no-prefix-caching", action="store_true",
+                        help="turn off prefix caching")
+    engine.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
+    engine.add_argument("--max-num-seqs", type=int, help="most running requests at once")
+    engine.add_argument("--max-model-len", type=int,
+                        help="prompt + output cap (default: the model's)")
+    engine.add_argument("--num-speculative-tokens", type=int,
+                        help="n-gram draft tokens per step; 0 turns drafting off")
+    parser.add_argument("--log-level", default="WARNING",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="(default: %(default)s)")
+
+
+_SERVE_ENGINE_OPTIONS = (
+    "dtype", "device", "seed", "kv_cache_bytes", "num_blocks", "block_size",
+    "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_speculative_tokens",
+)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from rollout_engine.config import EngineConfig
+    from rollout_engine.server import ServerConfig, run_server
+
+    options = {k: getattr(args, k) for k in _SERVE_ENGINE_OPTIONS if getattr(args, k) is not None}
+    if args.no_prefix_caching:
+        options["enable_prefix_caching"] = False
+    try:
+        server_config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            max_inflight_requests=args.max_inflight_requests,
+            auth_token=args.auth_token or None,
+            allow_insecure_remote=args.allow_insecure_remote,
+            max_message_bytes=args.max_message_bytes,
+            shutdown_grace_s=args.shutdown_grace_s,
+        )
+        engine_config = EngineConfig.from_kwargs(args.model, **options)
+    except ValueError as exc:
+        print(f"rollout-engine serve: error: {exc}", file=sys.stderr)
+        return 2
+    from rollout_engine.llm_engine import LLMEngine
+
+    return run_server(LLMEngine(engine_config), server_config, model_name=args.model)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""The wire schema (rollout.proto) and its generated gRPC stubs."""

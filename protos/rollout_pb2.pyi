@@ -1,0 +1,372 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TRANSPORT_STREAM: _ClassVar[Transport]
+    TRANSPORT_SHM: _ClassVar[Transport]
+    TRANSPORT_CUDA_IPC: _ClassVar[Transport]
+TRANSPORT_UNSPECIFIED: Transport
+TRANSPORT_STREAM: Transport
+TRANSPORT_SHM: Transport
+TRANSPORT_CUDA_IPC: Transport
+
+class SamplingParams(_message.Message):
+    __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "stop_token_ids", "ignore_eos", "detokenize")
+    N_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    DETOKENIZE_FIELD_NUMBER: _ClassVar[int]
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    max_tokens: int
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    detokenize: bool
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., detokenize: _Optional[bool] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Prompt(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+
+class CompletionOutput(_message.Message):
+    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "text", "weight_version")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    finish_reason: str
+    text: str
+    weight_version: int
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class CompletionDelta(_message.Message):
+    __slots__ = ("index", "token_ids", "logprobs")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "sampling_params", "stream_deltas")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    prompt: Prompt
+    sampling_params: SamplingParams
+    stream_deltas: bool
+    def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream_deltas: _Optional[bool] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "deltas", "outputs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    deltas: _containers.RepeatedCompositeFieldContainer[CompletionDelta]
+    outputs: _containers.RepeatedCompositeFieldContainer[CompletionOutput]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., deltas: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[CompletionOutput, _Mapping]]] = ...) -> None: ...
+
+class GenerateBatchRequest(_message.Message):
+    __slots__ = ("prompts", "sampling_params", "per_prompt_sampling_params")
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PER_PROMPT_SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
+    sampling_params: SamplingParams
+    per_prompt_sampling_params: _containers.RepeatedCompositeFieldContainer[SamplingParams]
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., per_prompt_sampling_params: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ...) -> None: ...
+
+class BatchCompletion(_message.Message):
+    __slots__ = ("prompt_index", "prompt_token_ids", "output")
+    PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    prompt_index: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output: CompletionOutput
+    def __init__(self, prompt_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[CompletionOutput, _Mapping]] = ...) -> None: ...
+
+class GenerateBatchResponse(_message.Message):
+    __slots__ = ("completions",)
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    completions: _containers.RepeatedCompositeFieldContainer[BatchCompletion]
+    def __init__(self, completions: _Optional[_Iterable[_Union[BatchCompletion, _Mapping]]] = ...) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("level", "mode")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    mode: str
+    def __init__(self, level: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
+
+class SleepResponse(_message.Message):
+    __slots__ = ("num_aborted_requests", "num_drained_requests")
+    NUM_ABORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAINED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    num_aborted_requests: int
+    num_drained_requests: int
+    def __init__(self, num_aborted_requests: _Optional[int] = ..., num_drained_requests: _Optional[int] = ...) -> None: ...
+
+class WakeUpRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WakeUpResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReleaseKVCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReleaseKVCacheResponse(_message.Message):
+    __slots__ = ("num_aborted_requests",)
+    NUM_ABORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    num_aborted_requests: int
+    def __init__(self, num_aborted_requests: _Optional[int] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TensorMeta(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class WeightManifest(_message.Message):
+    __slots__ = ("tensors", "transport")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    transport: Transport
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
+
+class TensorPiece(_message.Message):
+    __slots__ = ("name", "tensor_offset", "num_bytes", "buffer_offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensor_offset: int
+    num_bytes: int
+    buffer_offset: int
+    def __init__(self, name: _Optional[str] = ..., tensor_offset: _Optional[int] = ..., num_bytes: _Optional[int] = ..., buffer_offset: _Optional[int] = ...) -> None: ...
+
+class StreamChunk(_message.Message):
+    __slots__ = ("pieces", "data")
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    pieces: _containers.RepeatedCompositeFieldContainer[TensorPiece]
+    data: bytes
+    def __init__(self, pieces: _Optional[_Iterable[_Union[TensorPiece, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "buffer_offset_bytes", "buffer_num_bytes")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    buffer_offset_bytes: int
+    buffer_num_bytes: int
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., buffer_offset_bytes: _Optional[int] = ..., buffer_num_bytes: _Optional[int] = ...) -> None: ...
+
+class SharedBucket(_message.Message):
+    __slots__ = ("bucket_id", "shm_name", "cuda_ipc", "pieces")
+    BUCKET_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    bucket_id: int
+    shm_name: str
+    cuda_ipc: CudaIpcHandle
+    pieces: _containers.RepeatedCompositeFieldContainer[TensorPiece]
+    def __init__(self, bucket_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., pieces: _Optional[_Iterable[_Union[TensorPiece, _Mapping]]] = ...) -> None: ...
+
+class CommitWeights(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("manifest", "chunk", "bucket", "commit")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    manifest: WeightManifest
+    chunk: StreamChunk
+    bucket: SharedBucket
+    commit: CommitWeights
+    def __init__(self, manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[StreamChunk, _Mapping]] = ..., bucket: _Optional[_Union[SharedBucket, _Mapping]] = ..., commit: _Optional[_Union[CommitWeights, _Mapping]] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("manifest_accepted", "bucket_done", "weight_version")
+    MANIFEST_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_DONE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    manifest_accepted: bool
+    bucket_done: int
+    weight_version: int
+    def __init__(self, manifest_accepted: _Optional[bool] = ..., bucket_done: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "dtype", "device", "weight_version", "config_json", "num_blocks", "num_free_blocks", "num_inflight_requests", "max_inflight_requests", "num_requests_total", "num_generated_tokens_total", "is_sleeping", "weights_valid", "eos_token_ids", "block_size")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    IS_SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VALID_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    dtype: str
+    device: str
+    weight_version: int
+    config_json: str
+    num_blocks: int
+    num_free_blocks: int
+    num_inflight_requests: int
+    max_inflight_requests: int
+    num_requests_total: int
+    num_generated_tokens_total: int
+    is_sleeping: bool
+    weights_valid: bool
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_version: _Optional[int] = ..., config_json: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_inflight_requests: _Optional[int] = ..., max_inflight_requests: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., num_generated_tokens_total: _Optional[int] = ..., is_sleeping: _Optional[bool] = ..., weights_valid: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class GetMemoryStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TagMemoryState(_message.Message):
+    __slots__ = ("state", "mapped", "num_bytes")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    mapped: bool
+    num_bytes: int
+    def __init__(self, state: _Optional[str] = ..., mapped: _Optional[bool] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class GetMemoryStateResponse(_message.Message):
+    __slots__ = ("tags", "pool_bytes", "is_sleeping", "weights_valid", "process_rss_bytes", "device_memory")
+    class TagsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TagMemoryState
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TagMemoryState, _Mapping]] = ...) -> None: ...
+    class PoolBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class DeviceMemoryEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IS_SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VALID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.MessageMap[str, TagMemoryState]
+    pool_bytes: _containers.ScalarMap[str, int]
+    is_sleeping: bool
+    weights_valid: bool
+    process_rss_bytes: int
+    device_memory: _containers.ScalarMap[str, int]
+    def __init__(self, tags: _Optional[_Mapping[str, TagMemoryState]] = ..., pool_bytes: _Optional[_Mapping[str, int]] = ..., is_sleeping: _Optional[bool] = ..., weights_valid: _Optional[bool] = ..., process_rss_bytes: _Optional[int] = ..., device_memory: _Optional[_Mapping[str, int]] = ...) -> None: ...

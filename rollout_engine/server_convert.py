@@ -1,0 +1,219 @@
+"""Conversions between the wire messages (protos.rollout_pb2) and the engine's Python types."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from protos import rollout_pb2 as pb
+from rollout_engine.errors import InvalidRequestError
+from rollout_engine.outputs import CompletionOutput, RequestOutput
+from rollout_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from rollout_engine.llm_engine import LLMEngine
+
+_OPTIONAL_SAMPLING_FIELDS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens",
+    "seed", "ignore_eos", "detokenize",
+)
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64",
+        "bool", "float8_e4m3fn", "float8_e5m2",
+    )
+    if hasattr(torch, name)
+}
+# Completions per GenerateBatch message at most; messages also stay under a byte budget.
+_MAX_COMPLETIONS_PER_MESSAGE = 256
+_MAX_MESSAGE_PAYLOAD_BYTES = 4 * 1024 * 1024
+
+
+# --------------------------------------------------------------------------------- inputs
+
+
+def prompt_from_proto(prompt: pb.Prompt) -> str | list[int]:
+    kind = prompt.WhichOneof("prompt")
+    if kind == "text":
+        return prompt.text
+    if kind == "token_ids":
+        return list(prompt.token_ids.token_ids)
+    raise InvalidRequestError("a prompt needs either `text` or `token_ids`")
+
+
+def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
+    """Unset fields take the engine's defaults; invalid values raise InvalidRequestError."""
+    kwargs: dict[str, Any] = {
+        name: getattr(message, name) for name in _OPTIONAL_SAMPLING_FIELDS if message.HasField(name)
+    }
+    kwargs["stop_token_ids"] = list(message.stop_token_ids)
+    return SamplingParams(**kwargs)
+
+
+def batch_sampling_params(request: pb.GenerateBatchRequest) -> list[SamplingParams]:
+    num_prompts = len(request.prompts)
+    if not request.per_prompt_sampling_params:
+        return [sampling_params_from_proto(request.sampling_params)] * num_prompts
+    if len(request.per_prompt_sampling_params) != num_prompts:
+        raise InvalidRequestError(
+            f"got {len(request.per_prompt_sampling_params)} per-prompt sampling params for "
+            f"{num_prompts} prompts; send one per prompt or none"
+        )
+    return [sampling_params_from_proto(p) for p in request.per_prompt_sampling_params]
+
+
+def weight_manifest_from_proto(
+    manifest: pb.WeightManifest,
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    entries = []
+    for meta in manifest.tensors:
+        dtype = DTYPES.get(meta.dtype.removeprefix("torch."))
+        if dtype is None:
+            raise InvalidRequestError(
+                f"tensor {meta.name!r} has unknown dtype {meta.dtype!r}; known: {sorted(DTYPES)}"
+            )
+        if any(d < 0 for d in meta.shape):
+            raise InvalidRequestError(f"tensor {meta.name!r} has a negative dimension")
+        entries.append((meta.name, tuple(int(d) for d in meta.shape), dtype))
+    return entries
+
+
+# -------------------------------------------------------------------------------- outputs
+
+
+def completion_to_proto(completion: CompletionOutput) -> pb.CompletionOutput:
+    return pb.CompletionOutput(
+        index=completion.index,
+        token_ids=completion.token_ids,
+        logprobs=completion.logprobs,
+        finish_reason=completion.finish_reason or "",
+        text=completion.text,
+        weight_version=completion.weight_version,
+    )
+
+
+class GenerateStreamState:
+    """What one Generate stream has sent so far, to turn cumulative outputs into deltas."""
+
+    def __init__(self, stream_deltas: bool) -> None:
+        self.stream_deltas = stream_deltas
+        self._num_sent_tokens: dict[int, int] = {}
+        self._finished: set[int] = set()
+        self._sent_prompt = False
+
+    def response(self, output: RequestOutput) -> pb.GenerateResponse | None:
+        """The message for this step's output, or None when nothing is new."""
+        message = pb.GenerateResponse(request_id=output.request_id)
+        if not self._sent_prompt:
+            message.prompt_token_ids.extend(output.prompt_token_ids)
+        for completion in output.outputs:
+            if completion.index in self._finished:
+                continue
+            if completion.finished:
+                self._finished.add(completion.index)
+                message.outputs.append(completion_to_proto(completion))
+                continue
+            start = self._num_sent_tokens.get(completion.index, 0)
+            if self.stream_deltas and len(completion.token_ids) > start:
+                message.deltas.add(
+                    index=completion.index,
+                    token_ids=completion.token_ids[start:],
+                    logprobs=completion.logprobs[start:],
+                )
+                self._num_sent_tokens[completion.index] = len(completion.token_ids)
+        if self._sent_prompt and not message.deltas and not message.outputs:
+            return None
+        self._sent_prompt = True
+        return message
+
+
+class BatchStreamState:
+    """What one GenerateBatch stream has sent: finished completions per prompt."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        self._prompt_index = {rid: i for i, rid in enumerate(request_ids)}
+        self._sent: dict[str, set[int]] = {rid: set() for rid in request_ids}
+
+    def new_completions(self, output: RequestOutput) -> list[pb.BatchCompletion]:
+        sent = self._sent[output.request_id]
+        completions = []
+        for completion in output.outputs:
+            if completion.finished and completion.index not in sent:
+                item = pb.BatchCompletion(
+                    prompt_index=self._prompt_index[output.request_id],
+                    output=completion_to_proto(completion),
+                )
+                if not sent:
+                    item.prompt_token_ids.extend(output.prompt_token_ids)
+                sent.add(completion.index)
+                completions.append(item)
+        return completions
+
+
+def batch_responses(completions: list[pb.BatchCompletion]) -> Iterator[pb.GenerateBatchResponse]:
+    """Pack completions into messages that stay far below the message size limit."""
+    message, num_bytes = pb.GenerateBatchResponse(), 0
+    for item in completions:
+        item_bytes = item.ByteSize()
+        if message.completions and (
+            num_bytes + item_bytes > _MAX_MESSAGE_PAYLOAD_BYTES
+            or len(message.completions) >= _MAX_COMPLETIONS_PER_MESSAGE
+        ):
+            yield message
+            message, num_bytes = pb.GenerateBatchResponse(), 0
+        message.completions.append(item)
+        num_bytes += item_bytes
+    if message.completions:
+        yield message
+
+
+# -------------------------------------------------------------------------- introspection
+
+
+def info_to_proto(engine: LLMEngine, counters: dict[str, int]) -> pb.GetInfoResponse:
+    """Model, config and counters; runs on the engine thread."""
+    config = engine.config
+    kv_manager = engine.scheduler.kv_cache_manager
+    memory = engine.memory_state()
+    return pb.GetInfoResponse(
+        model=config.model_config.model,
+        architecture=(getattr(engine.hf_config, "architectures", None) or [""])[0],
+        vocab_size=engine.limits.vocab_size,
+        max_model_len=engine.limits.max_model_len,
+        dtype=str(engine.dtype).removeprefix("torch."),
+        device=str(engine.device),
+        weight_version=engine.weight_version,
+        config_json=json.dumps(dataclasses.asdict(config), default=str, sort_keys=True),
+        num_blocks=kv_manager.num_blocks,
+        num_free_blocks=kv_manager.num_free_blocks,
+        block_size=config.cache_config.block_size,
+        eos_token_ids=list(engine.limits.eos_token_ids),
+        is_sleeping=memory.is_sleeping,
+        weights_valid=memory.weights_valid,
+        **counters,
+    )
+
+
+def memory_state_to_proto(engine: LLMEngine) -> pb.GetMemoryStateResponse:
+    state = engine.memory_state()
+    message = pb.GetMemoryStateResponse(
+        is_sleeping=bool(state.is_sleeping),
+        weights_valid=bool(state.weights_valid),
+        process_rss_bytes=int(state.process_rss_bytes or 0),
+    )
+    for tag, tag_state in state.tags.items():
+        message.tags[tag].state = str(getattr(tag_state.state, "value", tag_state.state))
+        message.tags[tag].mapped = bool(tag_state.mapped)
+        message.tags[tag].num_bytes = int(tag_state.bytes)
+    for tag, num_bytes in (state.pool_bytes or {}).items():
+        message.pool_bytes[tag] = int(num_bytes)
+    for key, value in (state.device_memory or {}).items():
+        if isinstance(value, int | float):
+            message.device_memory[key] = int(value)
+    return message
+

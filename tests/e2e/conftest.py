@@ -1,0 +1,57 @@
+"""Fixtures of the end-to-end tests: a real server process, clients, reference engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rollout_engine.tiny_model import build_tiny_model
+from tests.e2e.server_process import AUTH_TOKEN, ENGINE_OPTIONS, start_server
+from trainer_bridge import EngineClient
+
+
+@pytest.fixture(scope="session")
+def other_model_dirs(tmp_path_factory) -> dict[int, Path]:
+    """Same architecture as `llama_dir`, different random weights (seeds 1 and 2)."""
+    root = tmp_path_factory.mktemp("other_models")
+    return {seed: build_tiny_model(root / f"llama-seed{seed}", "llama", "tiny", seed=seed)
+            for seed in (1, 2)}
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, llama_dir):
+    """The shared server, with an auth token: tests using it must leave its weights and
+    memory as they were."""
+    process = start_server(
+        tmp_path_factory, llama_dir, "--max-inflight-requests", "300", "--auth-token", AUTH_TOKEN
+    )
+    yield process
+    assert process.stop() == 0, process.log()[-3000:]
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    with EngineClient(server.address, auth_token=AUTH_TOKEN, timeout=60) as engine_client:
+        engine_client.wait_until_ready(30)
+        yield engine_client
+
+
+@pytest.fixture(scope="session")
+def llm(llama_dir):
+    """The in-process reference, configured like the served engine."""
+    from rollout_engine import LLM
+
+    return LLM(str(llama_dir), **ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="session")
+def raw_stub(server):
+    """The generated stub, for messages EngineClient never sends; pass `metadata=AUTH`."""
+    import grpc
+
+    from protos import rollout_pb2_grpc
+
+    channel = grpc.insecure_channel(server.address)
+    yield rollout_pb2_grpc.RolloutEngineStub(channel)
+    channel.close()

@@ -1,0 +1,386 @@
+"""`EngineClient`: the trainer's handle on a rollout engine server, over gRPC."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Self, TypeVar
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import rollout_pb2 as pb
+from protos import rollout_pb2_grpc as pb_grpc
+from trainer_bridge import transports
+from trainer_bridge.types import (
+    ERRORS_BY_CODE,
+    CompletionOutput,
+    DeadlineExceededError,
+    EngineClientError,
+    EngineSleepingError,
+    RequestOutput,
+    SamplingParams,
+)
+
+T = TypeVar("T")
+ERROR_TYPE_KEY = "rollout-error-type"
+SERVICE_NAME = "rollout.v1.RolloutEngine"
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+Prompt = str | Sequence[int]
+
+
+class EngineClient:
+    """Generate, sleep/wake, update weights and inspect a `rollout-engine serve` process.
+
+    Status codes come back as the typed exceptions of `trainer_bridge.types`. Idempotent
+    calls (info, memory_state, sleep, wake_up, reset_prefix_cache, release_kv_cache_memory)
+    retry on UNAVAILABLE with exponential backoff; generate and update_weights do not.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        auth_token: str | None = None,
+        timeout: float | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_retries: int = 5,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        """Default deadline in seconds of each call; None waits as long as it takes."""
+        self.max_retries = max_retries
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ])
+        self._stub = pb_grpc.RolloutEngineStub(self._channel)
+        self._update_weights = self._channel.stream_stream(
+            "/rollout.v1.RolloutEngine/UpdateWeights",
+            request_serializer=transports.serialize_update_request,
+            response_deserializer=pb.UpdateWeightsResponse.FromString,
+        )
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._slots: transports.SharedSlots | None = None
+        self._server_device: str | None = None
+
+    # --------------------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
+        self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def wait_until_ready(self, timeout: float = 60.0) -> None:
+        """Block until the server's health check says SERVING; DeadlineExceededError if not."""
+        deadline = time.monotonic() + timeout
+        request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                reply = self._health.Check(request, timeout=max(min(remaining, 1.0), 0.01),
+                                           metadata=self._metadata)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() >= deadline:
+                raise DeadlineExceededError(f"{self.address} not serving after {timeout} s")
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------------------- generation
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        timeout: float | None = None,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order (GenerateBatch; never retried)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        request = pb.GenerateBatchRequest(prompts=[_prompt_proto(p) for p in prompts])
+        if isinstance(sampling_params, Sequence):
+            request.per_prompt_sampling_params.extend(_params_proto(p) for p in sampling_params)
+        else:
+            request.sampling_params.CopyFrom(_params_proto(sampling_params))
+        collected: dict[int, tuple[list[int], list[CompletionOutput]]] = {}
+        try:
+            for message in self._stub.GenerateBatch(
+                request, metadata=self._metadata, timeout=self._deadline(timeout)
+            ):
+                for item in message.completions:
+                    entry = collected.setdefault(item.prompt_index, ([], []))
+                    entry[0].extend(item.prompt_token_ids)
+                    entry[1].append(_completion(item.output))
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+        if len(collected) != len(prompts):
+            raise EngineClientError("the server ended the stream before every prompt finished")
+        return [
+            RequestOutput(
+                request_id=str(i),
+                prompt_token_ids=collected[i][0],
+                outputs=sorted(collected[i][1], key=lambda c: c.index),
+                prompt=p if isinstance(p, str) else None,
+            )
+            for i, p in enumerate(prompts)
+        ]
+
+    def generate_stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Cumulative snapshots of one prompt's completions as tokens arrive (Generate).
+
+        Closing the iterator early cancels the call, and the server frees its KV blocks."""
+        request = pb.GenerateRequest(prompt=_prompt_proto(prompt),
+                                     sampling_params=_params_proto(sampling_params))
+        call = self._stub.Generate(request, metadata=self._metadata,
+                                   timeout=self._deadline(timeout))
+        snapshot = RequestOutput("", [], [], prompt if isinstance(prompt, str) else None)
+        try:
+            for message in call:
+                _apply_generate_response(snapshot, message)
+                yield dataclasses.replace(snapshot, outputs=[
+                    dataclasses.replace(o, token_ids=list(o.token_ids), logprobs=list(o.logprobs))
+                    for o in snapshot.outputs
+                ])
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+        finally:
+            call.cancel()
+
+    # --------------------------------------------------------------------- memory control
+    def sleep(self, level: int = 1, mode: str = "abort") -> int:
+        """Release memory (1: offload weights, drop KV; 2: drop both); returns the number of
+        requests aborted (mode "abort") or drained (mode "wait")."""
+        reply = self._retrying(self._stub.Sleep, pb.SleepRequest(level=level, mode=mode))
+        return reply.num_aborted_requests + reply.num_drained_requests
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Map the tags again ("weights", "kv_cache"); None wakes all."""
+        self._retrying(self._stub.WakeUp, pb.WakeUpRequest(tags=list(tags or [])))
+
+    def release_kv_cache_memory(self) -> int:
+        """Free the KV pool only; returns the number of requests it aborted."""
+        return self._retrying(self._stub.ReleaseKVCache, pb.ReleaseKVCacheRequest()
+                              ).num_aborted_requests
+
+    def reset_prefix_cache(self) -> None:
+        self._retrying(self._stub.ResetPrefixCache, pb.ResetPrefixCacheRequest())
+
+    # --------------------------------------------------------------------- weight updates
+    def update_weights(
+        self,
+        weights: torch.nn.Module | dict[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
+        transport: str = "auto",
+        bucket_bytes: int = transports.DEFAULT_BUCKET_BYTES,
+        timeout: float | None = None,
+    ) -> int:
+        """Replace the served weights (Hugging Face names); returns the new weight version.
+
+        transport "auto": cuda_ipc for CUDA tensors and a CUDA server on this host, shm for
+        a server on this host, stream otherwise. The server validates every name, shape and
+        dtype before writing a byte; an update cut off halfway leaves generation refused
+        until a complete update lands."""
+        tensors = transports.named_tensors(weights)
+        kind = self._resolve_transport(transport, tensors)
+        acks = transports.Acks()
+        if kind == "stream":
+            requests = transports.stream_requests(
+                tensors, min(bucket_bytes, transports.DEFAULT_STREAM_CHUNK_BYTES), acks
+            )
+        else:
+            requests = transports.shared_requests(tensors, self._shared_slots(
+                kind, tensors, bucket_bytes), acks)
+        return self._run_update(transports.guarded(requests, acks), acks, timeout)
+
+    def _run_update(self, requests, acks: transports.Acks, timeout: float | None) -> int:
+        version = None
+        try:
+            call = self._update_weights(requests, metadata=self._metadata,
+                                            timeout=self._deadline(timeout))
+            for reply in call:
+                kind = reply.WhichOneof("kind")
+                if kind == "manifest_accepted":
+                    acks.accept()
+                elif kind == "bucket_done":
+                    acks.done(reply.bucket_done)
+                elif kind == "weight_version":
+                    version = reply.weight_version
+        except grpc.RpcError as exc:
+            if acks.error is not None:
+                raise acks.error from error_from_rpc(exc)
+            raise error_from_rpc(exc) from None
+        finally:
+            acks.stop()
+        if version is None:
+            raise EngineClientError("the server ended the update without a weight version")
+        return version
+
+    def _resolve_transport(self, transport: str, tensors: transports.NamedTensors) -> str:
+        if transport != "auto":
+            if transport not in transports.TRANSPORTS:
+                raise ValueError(
+                    f"transport must be auto, stream, shm or cuda_ipc, got {transport!r}"
+                )
+            return transport
+        if not is_loopback_address(self.address):
+            return "stream"
+        if any(t.is_cuda for _, t in tensors) and self._server_is_cuda():
+            return "cuda_ipc"
+        return "shm" if os.path.isdir(transports.SHM_DIR) else "stream"
+
+    def _server_is_cuda(self) -> bool:
+        if self._server_device is None:
+            self._server_device = self.info()["device"]
+        return self._server_device.startswith("cuda")
+
+    def _shared_slots(self, kind: str, tensors, bucket_bytes: int) -> transports.SharedSlots:
+        """Shared buffers sized for this update, kept for the next one when they still fit."""
+        total = sum(t.numel() * t.element_size() + transports.ALIGNMENT_BYTES for _, t in tensors)
+        slot_bytes = max(min(bucket_bytes, total), transports.ALIGNMENT_BYTES)
+        slots = self._slots
+        fits = slots is not None and slot_bytes <= slots.slot_bytes <= 2 * slot_bytes
+        if slots is None or slots.kind != kind or not fits:
+            if slots is not None:
+                slots.close()
+            device = next((t.device for _, t in tensors if t.is_cuda), torch.device("cuda"))
+            self._slots = slots = transports.SharedSlots(kind, slot_bytes, device)
+        return slots
+
+    # ---------------------------------------------------------------------- introspection
+    def info(self) -> dict[str, Any]:
+        """Model, config, weight version and counters (num_free_blocks, ...)."""
+        reply = self._retrying(self._stub.GetInfo, pb.GetInfoRequest())
+        info = _message_dict(reply)
+        info["config"] = json.loads(info.pop("config_json") or "{}")
+        return info
+
+    def memory_state(self) -> dict[str, Any]:
+        """Per tag: state, mapped, num_bytes; plus is_sleeping, weights_valid, RSS."""
+        return _message_dict(self._retrying(self._stub.GetMemoryState, pb.GetMemoryStateRequest()))
+
+    # -------------------------------------------------------------------------- internals
+    def _deadline(self, timeout: float | None) -> float | None:
+        return timeout if timeout is not None else self.timeout
+
+    def _retrying(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
+        delay_s = 0.05
+        for attempt in range(self.max_retries + 1):
+            try:
+                return method(request, metadata=self._metadata, timeout=self._deadline(timeout))
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.max_retries:
+                    raise error_from_rpc(exc) from None
+            time.sleep(delay_s)
+            delay_s = min(2 * delay_s, 2.0)
+        raise AssertionError("unreachable")
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def error_from_rpc(exc: grpc.RpcError) -> EngineClientError:
+    """The typed exception for a failed call (status code, plus the engine's error type)."""
+    code = exc.code().name if exc.code() is not None else "UNKNOWN"
+    error_type = ""
+    for key, value in exc.trailing_metadata() or ():
+        if key == ERROR_TYPE_KEY:
+            error_type = value
+    cls = ERRORS_BY_CODE.get(code, EngineClientError)
+    if code == "FAILED_PRECONDITION" and error_type == "EngineSleepingError":
+        cls = EngineSleepingError
+    return cls(f"{code}: {exc.details()}", code=code, error_type=error_type)
+
+
+def is_loopback_address(address: str) -> bool:
+    """True for unix sockets and localhost / 127.x / ::1 targets."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return True
+    target = address.removeprefix("dns:///").removeprefix("ipv4:").removeprefix("ipv6:")
+    host = target.rsplit(":", 1)[0] if target.count(":") == 1 or "]" in target else target
+    host = host.strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def _prompt_proto(prompt: Prompt) -> pb.Prompt:
+    if isinstance(prompt, str):
+        return pb.Prompt(text=prompt)
+    return pb.Prompt(token_ids=pb.TokenIds(token_ids=[int(t) for t in prompt]))
+
+
+def _params_proto(params: Any) -> pb.SamplingParams:
+    """Any object with SamplingParams' field names (ours or the engine's); None: defaults."""
+    if params is None:
+        return pb.SamplingParams()
+    message = pb.SamplingParams()
+    for name in _SAMPLING_FIELDS:
+        value = getattr(params, name, None)
+        if name == "stop_token_ids":
+            message.stop_token_ids.extend(value or [])
+        elif value is not None:
+            setattr(message, name, value)
+    return message
+
+
+def _completion(message: pb.CompletionOutput) -> CompletionOutput:
+    return CompletionOutput(
+        index=message.index,
+        token_ids=list(message.token_ids),
+        logprobs=list(message.logprobs),
+        finish_reason=message.finish_reason or None,
+        text=message.text,
+        weight_version=message.weight_version,
+    )
+
+
+def _apply_generate_response(snapshot: RequestOutput, message: pb.GenerateResponse) -> None:
+    snapshot.request_id = message.request_id or snapshot.request_id
+    snapshot.prompt_token_ids.extend(message.prompt_token_ids)
+    by_index = {o.index: o for o in snapshot.outputs}
+    for delta in message.deltas:
+        output = by_index.get(delta.index)
+        if output is None:
+            output = by_index[delta.index] = CompletionOutput(delta.index, [], [])
+            snapshot.outputs.append(output)
+        output.token_ids.extend(delta.token_ids)
+        output.logprobs.extend(delta.logprobs)
+    for final in message.outputs:
+        if final.index in by_index:
+            snapshot.outputs.remove(by_index[final.index])
+        snapshot.outputs.append(_completion(final))
+    snapshot.outputs.sort(key=lambda o: o.index)
+
+
+def _message_dict(message) -> dict[str, Any]:
+    """Fields as plain Python values (int64 stays int, unlike json_format)."""
+    result: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            result[field.name] = {
+                k: _message_dict(v) if hasattr(v, "DESCRIPTOR") else v for k, v in value.items()
+            }
+        elif hasattr(value, "DESCRIPTOR"):
+            result[field.name] = _message_dict(value)
+        elif isinstance(value, str | bytes | int | float | bool):
+            result[field.name] = value
+        else:
+            result[field.name] = [
+                _message_dict(v) if hasattr(v, "DESCRIPTOR") else v for v in value
+            ]
+    return result
