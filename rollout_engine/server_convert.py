@@ -195,6 +195,7 @@ def info_to_proto(engine: LLMEngine, counters: dict[str, int]) -> pb.GetInfoResp
         eos_token_ids=list(engine.limits.eos_token_ids),
         is_sleeping=memory.is_sleeping,
         weights_valid=memory.weights_valid,
+        engine_stats={k: float(v) for k, v in engine.stats().items()},
         **counters,
     )
 

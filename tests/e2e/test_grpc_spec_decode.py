@@ -1,0 +1,25 @@
+"""Speculative decoding reaches the server: `serve --num-speculative-tokens` and GetInfo stats."""
+
+from __future__ import annotations
+
+from tests.e2e.server_process import start_server
+from tests.integration.test_spec_decode import GREEDY, PROMPTS
+from trainer_bridge import EngineClient
+from trainer_bridge import SamplingParams as WireSamplingParams
+
+
+def test_served_speculation_gives_the_same_tokens_and_reports_stats(tmp_path_factory, llama_dir):
+    from rollout_engine import LLM
+
+    expected = LLM(str(llama_dir)).generate(PROMPTS, GREEDY)
+    process = start_server(tmp_path_factory, llama_dir, "--num-speculative-tokens", "3")
+    try:
+        with EngineClient(process.address, timeout=60) as client:
+            client.wait_until_ready(30)
+            params = WireSamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True)
+            outputs = client.generate(PROMPTS, params)
+            stats = client.info()["engine_stats"]
+    finally:
+        assert process.stop() == 0
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
