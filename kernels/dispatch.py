@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.paged_attention_cpu import paged_attention_cpu
-from kernels.paged_attention_ref import store_kv_cache_ref
+from kernels.paged_attention_cpu import paged_attention_cpu, store_kv_cache_cpu
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -25,7 +24,7 @@ def store_kv_cache(
         from kernels.triton_kv_store import store_kv_cache_triton
 
         return store_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping)
-    return store_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+    return store_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(

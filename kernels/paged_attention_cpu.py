@@ -12,11 +12,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.paged_attention_ref import (
-    MAX_BATCHED_QUERY_LEN, _gather_one, _sdpa_causal,
-)
+from kernels.paged_attention_ref import MAX_BATCHED_QUERY_LEN, store_kv_cache_ref
 
 # Requests share a prefix worth attending once only if it spans at least this many blocks.
 MIN_SHARED_BLOCKS = 2
@@ -55,11 +54,55 @@ def paged_attention_cpu(
             merged = _merge(o[own_index], lse[own_index], o_shared, lse_shared)
             out[shared_rows] = merged.to(out.dtype)
     for req, start, q_len, s_len in plan["single"]:
-        table = metadata.block_tables[req]
-        k = _gather_one(key_cache, table, s_len)
-        v = _gather_one(value_cache, table, s_len)
-        out[start : start + q_len] = _sdpa_causal(query[start : start + q_len], k, v, scale)
+        table = metadata.block_tables[req, : -(-s_len // key_cache.shape[1])].long()
+        k = _gather_heads_major(key_cache, table)[:, :s_len]  # [Hkv, s_len, D]
+        v = _gather_heads_major(value_cache, table)[:, :s_len]
+        out[start : start + q_len] = _sdpa_causal_heads_major(query[start : start + q_len], k, v, scale)
     return out
+
+
+def store_kv_cache_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """`store_kv_cache_ref`, with a fast path for a heads-major cache (see KVCacheSpec)."""
+    heads_major = key_cache.permute(2, 0, 1, 3)  # [Hkv, num_blocks, bs, D]
+    if not heads_major.is_contiguous():
+        return store_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    for cache, new in ((heads_major, key), (value_cache.permute(2, 0, 1, 3), value)):
+        # [Hkv, num_slots, D] <- [Hkv, T, D]
+        cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, new.transpose(0, 1))
+
+
+def _gather_heads_major(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Blocks `tables` ([N, nb] or [nb]) of a [num_blocks, bs, Hkv, D] cache as
+    [Hkv, N * nb * bs, D]: one copy when the cache is stored heads-major."""
+    flat = tables.reshape(-1)
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    heads_major = cache.permute(2, 0, 1, 3)  # [Hkv, num_blocks, bs, D]
+    if heads_major.is_contiguous():
+        return heads_major.index_select(1, flat).view(num_kv_heads, -1, head_dim)
+    gathered = cache.index_select(0, flat)  # [N * nb, bs, Hkv, D]
+    return gathered.view(-1, num_kv_heads, head_dim).transpose(0, 1).contiguous()
+
+
+def _sdpa_causal_heads_major(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """q: [q_len, H, D] at the last q_len positions of k, v: [Hkv, s_len, D]."""
+    q_len, s_len = q.shape[0], k.shape[1]
+    if q_len == s_len:
+        mask, is_causal = None, True
+    else:
+        q_pos = torch.arange(s_len - q_len, s_len).view(-1, 1)
+        mask, is_causal = torch.arange(s_len).view(1, -1) <= q_pos, False
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+        attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True,
+    )  # [1, H, q_len, D]
+    return o[0].transpose(0, 1)
 
 
 def _attend(query, key_cache, value_cache, part: _Part, scale: float):
@@ -69,12 +112,9 @@ def _attend(query, key_cache, value_cache, part: _Part, scale: float):
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     length = part.tables.shape[1] * block_size
-    # [num_blocks, bs, Hkv, D] -> N * nb blocks -> [Hkv, N, L, D], contiguous for matmul
-    flat_tables = part.tables.view(-1)
-    k = key_cache.index_select(0, flat_tables).view(num, length, num_kv_heads, head_dim)
-    v = value_cache.index_select(0, flat_tables).view(num, length, num_kv_heads, head_dim)
-    k = k.permute(2, 0, 1, 3).contiguous().float()
-    v = v.permute(2, 0, 1, 3).contiguous().float()
+    k = _gather_heads_major(key_cache, part.tables).view(num_kv_heads, num, length, head_dim)
+    v = _gather_heads_major(value_cache, part.tables).view(num_kv_heads, num, length, head_dim)
+    k, v = k.float(), v.float()
     q = query[part.rows].float()  # [N, R, H, D]
     # Heads h = kv * group + j share KV head kv: [Hkv, N, group * R, D]
     q = q.view(num, num_rows, num_kv_heads, group, head_dim).permute(2, 0, 3, 1, 4)

@@ -29,8 +29,14 @@ def store_kv_cache_ref(
     slot_mapping: [num_tokens] int64
     """
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    if key_cache.is_contiguous() and value_cache.is_contiguous():
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+        return
+    block_size = key_cache.shape[1]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    key_cache[blocks, offsets] = key
+    value_cache[blocks, offsets] = value
 
 
 def paged_attention_ref(
@@ -107,8 +113,8 @@ def _attend_batched(query, key_cache, value_cache, plan, scale, out) -> None:
     num_reqs, num_blocks = tables.shape
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
-    k = key_cache[tables].view(num_reqs, num_blocks * block_size, num_kv_heads, head_dim)
-    v = value_cache[tables].view(num_reqs, num_blocks * block_size, num_kv_heads, head_dim)
+    k = key_cache[tables].reshape(num_reqs, num_blocks * block_size, num_kv_heads, head_dim)
+    v = value_cache[tables].reshape(num_reqs, num_blocks * block_size, num_kv_heads, head_dim)
     q = query[plan["rows"]]  # [B, max_q, H, D]
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

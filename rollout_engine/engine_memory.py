@@ -70,7 +70,7 @@ class EngineMemory:
         num_bytes = math.prod(shape) * dtype.itemsize
         pool = self.manager.create_pool(KV_CACHE_TAG, num_bytes)
         pool.zero_()
-        return pool.allocate(shape, dtype)  # [L, 2, num_blocks, bs, Hkv, D]
+        return pool.allocate(shape, dtype)
 
     # ------------------------------------------------------------------ transitions
     def sleep(self, level: int) -> None:

@@ -70,7 +70,11 @@ class LLMEngine:
             self.hf_config, config.cache_config.block_size, self.dtype
         )
         num_blocks = self.kv_spec.num_blocks_for(config.cache_config)
-        kv_caches = self.memory.allocate_kv_cache(self.kv_spec.shape(num_blocks), self.dtype)
+        heads_major = self.device.type == "cpu"
+        kv_storage = self.memory.allocate_kv_cache(
+            self.kv_spec.storage_shape(num_blocks, heads_major), self.dtype
+        )
+        kv_caches = self.kv_spec.logical_view(kv_storage, heads_major)
         self.model_runner = ModelRunner(
             model, kv_caches, config.cache_config.block_size, model_config.seed
         )

@@ -43,6 +43,18 @@ class KVCacheSpec:
     def shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
+    def storage_shape(self, num_blocks: int, heads_major: bool) -> tuple[int, ...]:
+        """Memory order of the cache. Heads-major ([L, 2, Hkv, num_blocks, bs, D]) lets the
+        CPU attention gather a batch's blocks straight into [Hkv, N, L, D] in one copy."""
+        if not heads_major:
+            return self.shape(num_blocks)
+        return (self.num_layers, 2, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
+
+    @staticmethod
+    def logical_view(storage: torch.Tensor, heads_major: bool) -> torch.Tensor:
+        """Always [L, 2, num_blocks, bs, Hkv, D] to the model and kernels, whatever the order."""
+        return storage.permute(0, 1, 3, 4, 2, 5) if heads_major else storage
+
 
 class ModelRunner:
     """Turns a SchedulerOutput into sampled tokens."""

@@ -64,3 +64,35 @@ def test_shared_prefix_is_used_for_sibling_decodes():
     plan = metadata.cache["cpu_plan"]
     assert plan["shared"] is not None and plan["shared"].tables.shape == (1, 5)
     assert plan["own"].tables.shape == (8, 2)  # each row gathers only its own 2 blocks
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_heads_major_cache_gives_the_same_store_and_attention(seed):
+    """The engine's CPU cache is stored [Hkv, num_blocks, bs, D] behind the usual view."""
+    from kernels.dispatch import store_kv_cache
+    from kernels.paged_attention_ref import store_kv_cache_ref
+    from rollout_engine.model_runner import KVCacheSpec
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    metadata = make_batch(rng, num_groups=5, shared=True)
+    spec = KVCacheSpec(num_layers=1, block_size=BLOCK_SIZE, num_kv_heads=2, head_dim=8,
+                       dtype=torch.float32)
+    storage = torch.zeros(spec.storage_shape(400, heads_major=True))
+    heads_major = KVCacheSpec.logical_view(storage, heads_major=True)[0]  # [2, N, bs, Hkv, D]
+    plain = torch.zeros(spec.shape(400))[0]
+    assert heads_major.shape == plain.shape and not heads_major.is_contiguous()
+    num_tokens = sum(metadata.query_lens_cpu)
+    key, value = torch.randn(2, num_tokens, 2, 8).unbind(0)
+    store_kv_cache(key, value, heads_major[0], heads_major[1], metadata.slot_mapping)
+    store_kv_cache_ref(key, value, plain[0], plain[1], metadata.slot_mapping)
+    torch.testing.assert_close(heads_major, plain, rtol=0, atol=0)
+    query = torch.randn(num_tokens, 4, 8)
+    got = paged_attention_cpu(query, heads_major[0], heads_major[1], metadata, 0.3)
+    expected = paged_attention_ref(query, plain[0], plain[1], metadata, 0.3)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # The reference itself also accepts the strided view.
+    torch.testing.assert_close(
+        paged_attention_ref(query, heads_major[0], heads_major[1], metadata, 0.3), expected,
+        atol=1e-6, rtol=1e-6,
+    )
