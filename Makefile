@@ -30,7 +30,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/rollout_throughput.py
 
 demo: $(STAMP)
-	$(PY) -m rollout_engine.demo
+	$(PY) examples/ppo_colocate.py
 
 # Regenerate the gRPC stubs from protos/rollout.proto (a test fails when they are stale).
 proto: $(STAMP)

@@ -1,0 +1,201 @@
+"""The colocate choreography for a hand-written RL loop: rollout() and training() phases.
+
+    colocation = Colocation(client, sleep_level=2, timeline=MemoryTimeline(pids).start())
+    for step in range(num_steps):
+        with colocation.rollout(weights=model) as engine:  # wake weights, push, wake KV
+            outputs = engine.generate(prompts, params)
+        # leaving rollout(): engine.sleep(2) hands weights and KV memory back
+        with colocation.training():
+            loss = ...; loss.backward(); optimizer.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from trainer_bridge.timeline import MemoryTimeline
+from trainer_bridge.types import EngineClientError
+
+if TYPE_CHECKING:
+    from trainer_bridge.client import EngineClient
+
+SleepLevel = Literal[0, 1, 2]
+Weights = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+def release_trainer_cache() -> None:
+    """Hand memory the trainer freed back to the OS / driver before the engine takes memory.
+
+    On CUDA that is the caching allocator (`empty_cache`, as TRL does before waking vLLM); on
+    CPU it is glibc's heap, which keeps freed blocks resident until `malloc_trim`."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _load_libc()
+
+
+class Colocation:
+    """Drives one engine through generate -> sleep -> (train) -> wake weights -> push weights
+    -> reset prefix cache -> wake KV, recording each step as a phase of `timeline`.
+
+    `sleep_level` 2 discards weights and KV while the trainer trains (weights must be pushed
+    before the next rollout), 1 offloads weights to host memory and discards KV, 0 never
+    sleeps (the baseline the other two are measured against).
+    """
+
+    def __init__(
+        self,
+        client: EngineClient,
+        *,
+        sleep_level: SleepLevel = 2,
+        sleep_mode: Literal["abort", "wait"] = "abort",
+        timeline: MemoryTimeline | None = None,
+        transport: str = "auto",
+        weight_dtype: torch.dtype | None = None,
+    ) -> None:
+        if sleep_level not in (0, 1, 2):
+            raise ValueError(f"sleep_level must be 0 (never sleep), 1 or 2, got {sleep_level}")
+        self.sleep_level = sleep_level
+        self.sleep_mode = sleep_mode
+        self.timeline = timeline
+        self.transport = transport
+        self.weight_dtype = weight_dtype
+        """Cast pushed tensors to this dtype; None: the engine's dtype (asked once)."""
+        self.weight_version = 0
+        self.attach(client)
+
+    def attach(self, client: EngineClient) -> None:
+        """Drive `client`'s engine from now on, e.g. a restarted one. Its weights are taken as
+        stale: the next rollout pushes the trainer's weights before generating."""
+        self.client = client
+        state = client.memory_state()
+        tags = state["tags"]
+        self.is_weights_awake = tags["weights"]["state"] == "awake"
+        self.is_kv_awake = tags["kv_cache"]["state"] == "awake"
+        self.is_weights_discarded = not state["weights_valid"]
+        self.needs_weights = True
+        """The engine does not hold the trainer's current weights (as far as we know)."""
+        self._engine_dtype: torch.dtype | None = None
+
+    # ------------------------------------------------------------------------------ phases
+    @contextlib.contextmanager
+    def rollout(self, weights: Weights | None = None) -> Iterator[EngineClient]:
+        """Make the engine ready (weights pushed when given, KV awake), yield its client for
+        generation, then put it to sleep. Without `weights` the engine generates with what it
+        holds (after a level-1 sleep: the weights it had); after a level-2 sleep, which
+        discards them, weights must be given."""
+        self.end_training()
+        if weights is not None:
+            self.sync_weights(weights)
+        elif self.is_weights_discarded:
+            raise ValueError("sleep(level=2) discarded the engine's weights: pass "
+                             "rollout(weights=model) to push them before generating")
+        elif not self.is_weights_awake:
+            release_trainer_cache()
+            self._verb("wake_weights", self.client.wake_up, ["weights"])
+            self.is_weights_awake = True
+        self.wake_kv_cache()
+        with self._phase("generate"):
+            try:
+                yield self.client
+            except EngineClientError:
+                raise  # the engine failed: a sleep call would fail (or hang) the same way
+            except BaseException:
+                self.sleep()
+                raise
+        self.sleep()
+
+    @contextlib.contextmanager
+    def training(self) -> Iterator[None]:
+        """Mark the trainer's forward / backward / optimizer work as the "train" phase."""
+        self.begin_training()
+        try:
+            yield
+        finally:
+            self.end_training()
+
+    def begin_training(self) -> None:
+        """Open the "train" phase; the next engine call (or `end_training`) closes it."""
+        if self.timeline is not None:
+            self.timeline.end("train")
+            self.timeline.begin("train")
+
+    def end_training(self) -> None:
+        if self.timeline is not None:
+            self.timeline.end("train")
+
+    # ------------------------------------------------------------------------------- verbs
+    def sync_weights(self, weights: Weights) -> int:
+        """Wake the weights, push `weights` (Hugging Face names), reset the prefix cache;
+        returns the engine's new weight version."""
+        self.end_training()
+        release_trainer_cache()
+        if not self.is_weights_awake:
+            self._verb("wake_weights", self.client.wake_up, ["weights"])
+            self.is_weights_awake = True
+        tensors = self._cast(weights)
+        self.weight_version = self._verb(
+            "weight_sync", self.client.update_weights, tensors, transport=self.transport
+        )
+        del tensors
+        self._verb("reset_prefix_cache", self.client.reset_prefix_cache)
+        self.needs_weights = self.is_weights_discarded = False
+        return self.weight_version
+
+    def wake_kv_cache(self) -> None:
+        if not self.is_kv_awake:
+            self._verb("wake_kv_cache", self.client.wake_up, ["kv_cache"])
+            self.is_kv_awake = True
+
+    def sleep(self) -> None:
+        """Sleep at `sleep_level` (nothing at level 0)."""
+        if self.sleep_level == 0:
+            return
+        self._verb("sleep", self.client.sleep, self.sleep_level, self.sleep_mode)
+        self.is_kv_awake = False
+        self.is_weights_awake = False
+        if self.sleep_level == 2:
+            self.needs_weights = self.is_weights_discarded = True
+
+    # --------------------------------------------------------------------------- internals
+    def _verb(self, phase: str, method, *args, **kwargs):
+        with self._phase(phase):
+            return method(*args, **kwargs)
+
+    def _phase(self, name: str) -> contextlib.AbstractContextManager:
+        return self.timeline.phase(name) if self.timeline is not None else contextlib.nullcontext()
+
+    def _cast(self, weights: Weights) -> list[tuple[str, torch.Tensor]]:
+        dtype = self.weight_dtype or self._engine_weight_dtype()
+        if isinstance(weights, torch.nn.Module):
+            items = weights.state_dict().items()
+        elif isinstance(weights, Mapping):
+            items = weights.items()
+        else:
+            items = weights
+        return [(name, t.detach() if t.dtype == dtype else t.detach().to(dtype))
+                for name, t in items]
+
+    def _engine_weight_dtype(self) -> torch.dtype:
+        if self._engine_dtype is None:
+            name = self.client.info()["dtype"].removeprefix("torch.")
+            self._engine_dtype = getattr(torch, name)
+        return self._engine_dtype
