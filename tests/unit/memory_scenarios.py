@@ -57,7 +57,8 @@ def discard(device: str) -> dict[str, Any]:
 
 def offload(device: str) -> dict[str, Any]:
     """Offload random contents, wake, then discard: contents and released memory both checked."""
-    num_bytes = 256 * MiB if device.startswith("cuda") else 64 * MiB
+    # Large enough that a few MiB of allocator noise stay well inside the 5% bounds.
+    num_bytes = 256 * MiB
     generator = torch.Generator().manual_seed(0)
     expected = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=generator)
     manager = MemoryManager(device)
