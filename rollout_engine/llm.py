@@ -52,7 +52,7 @@ class LLM:
                 self.engine.add_request(request_id, prompt, p)
         except Exception:
             self.engine.abort_request(request_ids)
-            self._drain(set(request_ids))
+            self._drain()
             raise
         return self._run(request_ids, sum(p.n for p in params), use_tqdm)
 
@@ -104,9 +104,9 @@ class LLM:
                         bar.update(len(output.outputs))
         return [finished[rid] for rid in request_ids]
 
-    def _drain(self, request_ids: set[str]) -> None:
-        """Collect the abort outputs of requests we gave up on."""
-        while request_ids & set(self.engine._groups):
+    def _drain(self) -> None:
+        """Step until the requests we gave up on have reported their abort."""
+        while self.engine.has_unfinished_requests():
             self.engine.step()
 
 
