@@ -4,6 +4,10 @@ The n samples of one prompt (a GRPO group) and other prefix-cache hits point at 
 leading KV blocks. Their queries attend to that shared prefix together, gathered once,
 and each request attends to its own remaining blocks; the two partial results are merged
 with their log-sum-exps. This is the same math as `paged_attention_ref`, reordered.
+
+Any [num_blocks, bs, Hkv, D] cache works; the engine stores its CPU cache heads-major
+underneath (see `KVCacheSpec.storage_shape`), which makes every gather a single
+contiguous `index_select` into the [Hkv, N, L, D] layout the matmuls want.
 """
 
 from __future__ import annotations
