@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from trainer_bridge.timeline import MemoryTimeline
+from trainer_bridge.transports import named_tensors
 from trainer_bridge.types import EngineClientError
 
 if TYPE_CHECKING:
@@ -185,14 +186,7 @@ class Colocation:
 
     def _cast(self, weights: Weights) -> list[tuple[str, torch.Tensor]]:
         dtype = self.weight_dtype or self._engine_weight_dtype()
-        if isinstance(weights, torch.nn.Module):
-            items = weights.state_dict().items()
-        elif isinstance(weights, Mapping):
-            items = weights.items()
-        else:
-            items = weights
-        return [(name, t.detach() if t.dtype == dtype else t.detach().to(dtype))
-                for name, t in items]
+        return [(name, t if t.dtype == dtype else t.to(dtype)) for name, t in named_tensors(weights)]
 
     def _engine_weight_dtype(self) -> torch.dtype:
         if self._engine_dtype is None:
