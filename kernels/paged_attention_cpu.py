@@ -16,10 +16,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.paged_attention_ref import MAX_BATCHED_QUERY_LEN, store_kv_cache_ref
+from kernels.paged_attention_ref import (
+    MAX_BATCHED_QUERY_LEN, sdpa_causal_heads_major, store_kv_cache_ref,
+)
 
 # Requests share a prefix worth attending once only if it spans at least this many blocks.
 MIN_SHARED_BLOCKS = 2
@@ -61,7 +62,7 @@ def paged_attention_cpu(
         table = metadata.block_tables[req, : -(-s_len // key_cache.shape[1])].long()
         k = _gather_heads_major(key_cache, table)[:, :s_len]  # [Hkv, s_len, D]
         v = _gather_heads_major(value_cache, table)[:, :s_len]
-        out[start : start + q_len] = _sdpa_causal_heads_major(query[start : start + q_len], k, v, scale)
+        out[start : start + q_len] = sdpa_causal_heads_major(query[start : start + q_len], k, v, scale)
     return out
 
 
@@ -92,21 +93,6 @@ def _gather_heads_major(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tens
         return heads_major.index_select(1, flat).view(num_kv_heads, -1, head_dim)
     gathered = cache.index_select(0, flat)  # [N * nb, bs, Hkv, D]
     return gathered.view(-1, num_kv_heads, head_dim).transpose(0, 1).contiguous()
-
-
-def _sdpa_causal_heads_major(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """q: [q_len, H, D] at the last q_len positions of k, v: [Hkv, s_len, D]."""
-    q_len, s_len = q.shape[0], k.shape[1]
-    if q_len == s_len:
-        mask, is_causal = None, True
-    else:
-        q_pos = torch.arange(s_len - q_len, s_len).view(-1, 1)
-        mask, is_causal = torch.arange(s_len).view(1, -1) <= q_pos, False
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-        attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True,
-    )  # [1, H, q_len, D]
-    return o[0].transpose(0, 1)
 
 
 def _attend(query, key_cache, value_cache, part: _Part, scale: float):

@@ -133,15 +133,21 @@ def _gather_one(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [q_len, H, D] at the last q_len positions of k, v: [s_len, Hkv, D]."""
-    q_len, s_len = q.shape[0], k.shape[0]
+    return sdpa_causal_heads_major(q, k.transpose(0, 1), v.transpose(0, 1), scale)
+
+
+def sdpa_causal_heads_major(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q: [q_len, H, D] at the last q_len positions of k, v: [Hkv, s_len, D]."""
+    q_len, s_len = q.shape[0], k.shape[1]
     if q_len == s_len:
         mask, is_causal = None, True
     else:
         q_pos = torch.arange(s_len - q_len, s_len, device=q.device).view(-1, 1)
         mask, is_causal = torch.arange(s_len, device=q.device).view(1, -1) <= q_pos, False
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=is_causal,
-        scale=scale, enable_gqa=True,
+        q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+        attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True,
     )  # [1, H, q_len, D]
     return o[0].transpose(0, 1)
