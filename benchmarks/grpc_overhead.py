@@ -127,11 +127,8 @@ def time_rollouts(llm, client: EngineClient, server_pid: int, prompts, args):
     paths alternating so that a change in the machine's load hits both alike. CPU time (of
     this process, plus the server's for gRPC) is what the machine's other tenants cannot
     inflate much."""
-    from rollout_engine import SamplingParams as EngineSamplingParams
-
-    local_params = EngineSamplingParams(**sampling_kwargs(args))
-    remote_params = SamplingParams(**sampling_kwargs(args))
-    llm.generate(prompts[:1], EngineSamplingParams(max_tokens=2))  # warm-up
+    local_params = remote_params = SamplingParams(**sampling_kwargs(args))  # one shared type
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up
     client.generate(prompts[:1], SamplingParams(max_tokens=2))
     me = os.getpid()
     runs = {
@@ -264,7 +261,7 @@ def weight_update_seconds(client: EngineClient, weights, total_bytes: int, num_r
         "update_weights stream": lambda: client.update_weights(weights, transport="stream"),
         "update_weights shm": lambda: client.update_weights(weights, transport="shm"),
     }
-    if torch.cuda.is_available() and client.info()["device"].startswith("cuda"):
+    if torch.cuda.is_available() and client.info().device.startswith("cuda"):
         cuda_weights = {k: v.cuda() for k, v in weights.items()}
         runs["update_weights cuda_ipc"] = lambda: client.update_weights(
             cuda_weights, transport="cuda_ipc")

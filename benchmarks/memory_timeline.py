@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from trainer_bridge.timeline import PHASE_COLORS, STEP_PHASES
 
 MiB = 2**20
-CONFIGS = {"sleep off": 0, "sleep level 1": 1, "sleep level 2": 2}
+CONFIGS = {"sleep off": None, "sleep level 1": 1, "sleep level 2": 2}
 GOAL_FRACTION = 0.9
 
 
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------ one config
 
 
-def run_config(args: argparse.Namespace, model_dir: Path, sleep_level: int) -> dict:
+def run_config(args: argparse.Namespace, model_dir: Path, sleep_level: int | None) -> dict:
     """The GRPO loop with one sleep level, in this process; the timeline and pool bytes."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -77,10 +77,10 @@ def run_config(args: argparse.Namespace, model_dir: Path, sleep_level: int) -> d
     if not torch.cuda.is_available():
         torch.set_num_threads(args.threads)
     with EngineServer(model_dir, engine_options={"kv_cache_bytes": f"{args.kv_cache_mib}MiB"},
-                      log_path=Path(args.out) / f"engine-level{sleep_level}.log",
+                      log_path=Path(args.out) / f"engine-level{sleep_level or 0}.log",
                       env={"OMP_NUM_THREADS": str(args.threads)}) as server:
         client = EngineClient(server.address, timeout=600)
-        pool_bytes = client.memory_state()["pool_bytes"]
+        pool_bytes = client.memory_state().pool_bytes
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         config = GRPOConfig(

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout_engine import LLM, SamplingParams  # noqa: E402
-from rollout_engine.models.loader import iterate_checkpoint  # noqa: E402
+from rollout_engine.worker.models.loader import iterate_checkpoint  # noqa: E402
 from rollout_engine.tiny_model import build_tiny_model  # noqa: E402
 
 MiB = 1 << 20

@@ -173,7 +173,7 @@ def build_trainer(args, model_dir: Path, client: EngineClient, timeline, progres
     trainer = EngineGRPOTrainer(
         model=model, reward_funcs=make_digit_reward(tokenizer), args=config,
         train_dataset=make_dataset(64 * args.steps, args.seed), processing_class=tokenizer,
-        engine=client, sleep_level=args.sleep_level, timeline=timeline,
+        engine=client, sleep_level=args.sleep_level or None, timeline=timeline,
     )
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         show_greedy(trainer, client, state.is_main_process)
         fingerprint = sum(float(p.detach().double().sum()) for p in trainer.model.parameters())
         print(f"rank {state.process_index}: engine {client.address} (pid {engine_pid}), "
-              f"weight_version {client.info()['weight_version']}, "
+              f"weight_version {client.info().weight_version}, "
               f"policy fingerprint {fingerprint:.6f}", flush=True)
     finally:
         timeline.stop()

@@ -19,7 +19,9 @@ import torch
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.paged_attention_ref import (
-    MAX_BATCHED_QUERY_LEN, sdpa_causal_heads_major, store_kv_cache_ref,
+    MAX_BATCHED_QUERY_LEN,
+    sdpa_causal_heads_major,
+    store_kv_cache_ref,
 )
 
 # Requests share a prefix worth attending once only if it spans at least this many blocks.

@@ -8,10 +8,10 @@ from memory.errors import (
     PoolCapacityError,
     UnknownTagError,
 )
+from memory.event_log import MemoryEventLog
 from memory.manager import MemoryManager, TagState
 from memory.pool import ALIGNMENT_BYTES, MemoryPool
 from memory.process_memory import cuda_device_memory_bytes, process_rss_bytes
-from memory.timeline import MemoryTimeline
 
 __all__ = [
     "ALIGNMENT_BYTES",
@@ -22,7 +22,7 @@ __all__ = [
     "MemoryManager",
     "MemoryPool",
     "MemoryStateError",
-    "MemoryTimeline",
+    "MemoryEventLog",
     "PoolCapacityError",
     "Region",
     "TagState",

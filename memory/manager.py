@@ -10,9 +10,9 @@ import torch
 
 from memory.backend import HostBackup, create_backend
 from memory.errors import MemoryStateError, UnknownTagError
+from memory.event_log import MemoryEventLog
 from memory.pool import MemoryPool
 from memory.process_memory import process_rss_bytes
-from memory.timeline import MemoryTimeline
 
 
 class TagState(enum.Enum):
@@ -39,11 +39,11 @@ class MemoryManager:
     """
 
     def __init__(
-        self, device: torch.device | str = "cpu", timeline: MemoryTimeline | None = None
+        self, device: torch.device | str = "cpu", event_log: MemoryEventLog | None = None
     ) -> None:
         self._backend = create_backend(device)
         self.device = self._backend.device
-        self.timeline = timeline
+        self.event_log = event_log
         self._entries: dict[str, _TagEntry] = {}
         self._lock = threading.RLock()
         self._is_closed = False
@@ -243,10 +243,10 @@ class MemoryManager:
             entry.backup = None
 
     def _span(self, event: str, **fields: Any) -> contextlib.AbstractContextManager[None]:
-        if self.timeline is None:
+        if self.event_log is None:
             return contextlib.nullcontext()
-        return self.timeline.span(event, **fields)
+        return self.event_log.span(event, **fields)
 
     def _record(self, event: str, **fields: Any) -> None:
-        if self.timeline is not None:
-            self.timeline.record(event, **fields)
+        if self.event_log is not None:
+            self.event_log.record(event, **fields)

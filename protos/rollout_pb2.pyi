@@ -281,7 +281,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "dtype", "device", "weight_version", "config_json", "num_blocks", "num_free_blocks", "num_inflight_requests", "max_inflight_requests", "num_requests_total", "num_generated_tokens_total", "is_sleeping", "weights_valid", "eos_token_ids", "block_size", "engine_stats")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "dtype", "device", "weight_version", "config_json", "num_blocks", "num_free_blocks", "num_inflight_requests", "max_inflight_requests", "num_requests_total", "num_generated_tokens_total", "is_sleeping", "weights_valid", "eos_token_ids", "block_size", "engine_stats", "num_unfinished_requests")
     class EngineStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +308,7 @@ class GetInfoResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STATS_FIELD_NUMBER: _ClassVar[int]
+    NUM_UNFINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -327,7 +328,8 @@ class GetInfoResponse(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     engine_stats: _containers.ScalarMap[str, float]
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_version: _Optional[int] = ..., config_json: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_inflight_requests: _Optional[int] = ..., max_inflight_requests: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., num_generated_tokens_total: _Optional[int] = ..., is_sleeping: _Optional[bool] = ..., weights_valid: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., engine_stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    num_unfinished_requests: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_version: _Optional[int] = ..., config_json: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_inflight_requests: _Optional[int] = ..., max_inflight_requests: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., num_generated_tokens_total: _Optional[int] = ..., is_sleeping: _Optional[bool] = ..., weights_valid: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., engine_stats: _Optional[_Mapping[str, float]] = ..., num_unfinished_requests: _Optional[int] = ...) -> None: ...
 
 class GetMemoryStateRequest(_message.Message):
     __slots__ = ()

@@ -1,33 +1,55 @@
-"""A rollout engine for RL post-training: paged KV cache, continuous batching, prefix caching."""
+"""A rollout engine for RL post-training: paged KV cache, continuous batching, prefix caching.
 
-from rollout_engine.errors import (
+`import rollout_engine` stays torch-free: it gives the shared types of `rollout_engine.protocol`;
+`LLM` and `LLMEngine` (which need torch) are imported on first use.
+"""
+
+from typing import TYPE_CHECKING
+
+from rollout_engine.protocol import (
+    CompletionOutput,
+    DeviceOutOfMemoryError,
+    EngineBusyError,
     EngineError,
+    EngineInfo,
     EngineSleepingError,
     InvalidRequestError,
+    MemoryState,
     ModelLoadError,
     OutOfBlocksError,
+    RequestOutput,
+    SamplingParams,
+    SleepLevel,
+    StepFailedError,
     WeightUpdateError,
 )
-from rollout_engine.outputs import CompletionOutput, RequestOutput
-from rollout_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from rollout_engine.llm import LLM
+    from rollout_engine.llm_engine import LLMEngine
 
 __all__ = [
     "LLM",
     "LLMEngine",
-    "SamplingParams",
-    "RequestOutput",
     "CompletionOutput",
+    "DeviceOutOfMemoryError",
+    "EngineBusyError",
     "EngineError",
+    "EngineInfo",
     "EngineSleepingError",
     "InvalidRequestError",
+    "MemoryState",
     "ModelLoadError",
     "OutOfBlocksError",
+    "RequestOutput",
+    "SamplingParams",
+    "SleepLevel",
+    "StepFailedError",
     "WeightUpdateError",
 ]
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch and transformers; keep `import rollout_engine` light for the scheduler.
     if name == "LLM":
         from rollout_engine.llm import LLM
 

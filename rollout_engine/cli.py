@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from rollout_engine.errors import EngineError
+from rollout_engine.protocol import DEFAULT_MAX_MESSAGE_BYTES, EngineError
 
 Runner = Callable[[argparse.Namespace], int]
 
@@ -203,7 +203,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     net.add_argument("--max-inflight-requests", type=int, default=4096,
                      help="prompts in flight at once; more get RESOURCE_EXHAUSTED "
                      "(default: %(default)s)")
-    net.add_argument("--max-message-bytes", type=_parse_bytes, default=64 * 1024**2,
+    net.add_argument("--max-message-bytes", type=_parse_bytes, default=DEFAULT_MAX_MESSAGE_BYTES,
                      help="largest gRPC message either way (default: 64MiB)")
     net.add_argument("--shutdown-grace-s", type=float, default=10.0,
                      help="on SIGTERM, seconds in-flight calls get before they are aborted "
@@ -243,8 +243,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from rollout_engine.config import EngineConfig
-    from rollout_engine.server import ServerConfig, run_server
+    from rollout_engine.config import EngineConfig, ServerConfig
+    from rollout_engine.server.app import run_server
 
     options = {k: getattr(args, k) for k in _SERVE_ENGINE_OPTIONS if getattr(args, k) is not None}
     if args.no_prefix_caching:

@@ -7,8 +7,11 @@ Values discovered at run time (number of KV blocks, model length, EOS ids) live 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from rollout_engine.protocol import DEFAULT_MAX_MESSAGE_BYTES
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 
@@ -120,6 +123,49 @@ class MemoryConfig:
 
     def __post_init__(self) -> None:
         _require(self.timeline_max_events >= 1, "timeline_max_events must be >= 1")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the gRPC server listens and admits work."""
+
+    host: str = "127.0.0.1"
+    """Address to bind; anything but loopback needs an auth token (or allow_insecure_remote)."""
+    port: int = 50051
+    """TCP port; 0 picks a free one (the ready line says which)."""
+    max_inflight_requests: int = 4096
+    """Prompts admitted at once across all calls; more get RESOURCE_EXHAUSTED."""
+    auth_token: str | None = None
+    """If set, every call but the health check needs `authorization: Bearer <token>`."""
+    allow_insecure_remote: bool = False
+    """Allow a non-loopback bind without a token (trusted networks only)."""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """Largest gRPC message either way."""
+    shutdown_grace_s: float = 10.0
+    """On SIGTERM, in-flight calls get this long to finish before they are aborted."""
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
+        _require(self.max_inflight_requests >= 1, "max_inflight_requests must be >= 1")
+        _require(self.max_message_bytes >= 1024 * 1024, "max_message_bytes must be at least 1 MiB")
+        _require(self.shutdown_grace_s >= 0, "shutdown_grace_s must be >= 0")
+        _require(
+            is_loopback_host(self.host) or bool(self.auth_token) or self.allow_insecure_remote,
+            f"refusing to bind {self.host!r} without --auth-token: anyone who can reach it "
+            "could generate, put the engine to sleep or replace its weights; set --auth-token, "
+            "or pass --allow-insecure-remote on a trusted network",
+        )
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for localhost, 127.0.0.0/8 and ::1; False for wildcard and other addresses."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)

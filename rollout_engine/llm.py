@@ -9,16 +9,17 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from rollout_engine.config import EngineConfig
-from rollout_engine.errors import InvalidRequestError
 from rollout_engine.llm_engine import LLMEngine
-from rollout_engine.outputs import RequestOutput
-from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.protocol import InvalidRequestError, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
-    from memory import MemoryTimeline
-    from rollout_engine.engine_memory import MemoryState
-    from rollout_engine.llm_engine import SleepMode
-    from rollout_engine.weight_update import ManifestEntry, NamedTensors, WeightUpdateSession
+    from memory import MemoryEventLog
+    from rollout_engine.protocol import EngineInfo, MemoryState, SleepMode
+    from rollout_engine.worker.weight_update import (
+        ManifestEntry,
+        NamedTensors,
+        WeightUpdateSession,
+    )
 
 
 class LLM:
@@ -50,11 +51,12 @@ class LLM:
         try:
             for request_id, prompt, p in zip(request_ids, prompts, params):
                 self.engine.add_request(request_id, prompt, p)
-        except Exception:
+            return self._run(request_ids, sum(p.n for p in params), use_tqdm)
+        except BaseException:
+            # A refused prompt, a failed step or Ctrl-C: none of this call's requests survive.
             self.engine.abort_request(request_ids)
             self._drain()
             raise
-        return self._run(request_ids, sum(p.n for p in params), use_tqdm)
 
     # -- memory and weights: see LLMEngine for the semantics -----------------------------------
     def sleep(self, level: int = 1, mode: SleepMode = "abort") -> list[RequestOutput]:
@@ -83,8 +85,12 @@ class LLM:
         return self.engine.memory_state()
 
     @property
-    def memory_timeline(self) -> MemoryTimeline:
-        return self.engine.memory_timeline
+    def memory_events(self) -> MemoryEventLog:
+        """Sleep, wake and weight-update events of the engine, with their timing."""
+        return self.engine.memory_events
+
+    def info(self) -> EngineInfo:
+        return self.engine.info()
 
     def kv_cache_ptr(self) -> int:
         return self.engine.kv_cache_ptr()

@@ -1,31 +1,44 @@
-"""The trainer side of colocated RL: a gRPC client for the rollout engine and weight transports."""
+"""The trainer side of colocated RL: a gRPC client for the rollout engine and weight transports.
 
-from trainer_bridge.client import EngineClient
-from trainer_bridge.types import (
+The types and errors are the engine's own (`rollout_engine.protocol`), re-exported here.
+"""
+
+from rollout_engine.protocol import (
     CompletionOutput,
     DeadlineExceededError,
-    EngineClientError,
+    EngineBusyError,
+    EngineError,
+    EngineInfo,
     EngineSleepingError,
     FailedPreconditionError,
+    InternalError,
     InvalidArgumentError,
+    MemoryState,
     RequestOutput,
     ResourceExhaustedError,
     SamplingParams,
+    SleepLevel,
     UnauthenticatedError,
     UnavailableError,
 )
+from trainer_bridge.client import EngineClient
 
 __all__ = [
     "CompletionOutput",
     "DeadlineExceededError",
+    "EngineBusyError",
     "EngineClient",
-    "EngineClientError",
+    "EngineError",
+    "EngineInfo",
     "EngineSleepingError",
     "FailedPreconditionError",
+    "InternalError",
     "InvalidArgumentError",
+    "MemoryState",
     "RequestOutput",
     "ResourceExhaustedError",
     "SamplingParams",
+    "SleepLevel",
     "UnauthenticatedError",
     "UnavailableError",
 ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -15,29 +14,32 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
-from trainer_bridge import transports
-from trainer_bridge.types import (
-    ERRORS_BY_CODE,
+from rollout_engine.protocol import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ERROR_TYPE_KEY,
+    SERVICE_NAME,
     CompletionOutput,
     DeadlineExceededError,
-    EngineClientError,
-    EngineSleepingError,
+    EngineError,
+    EngineInfo,
+    MemoryState,
     RequestOutput,
     SamplingParams,
+    SleepLevel,
+    SleepMode,
+    error_from_status,
 )
+from rollout_engine.wire_codec import from_message, to_message
+from trainer_bridge import transports
 
 T = TypeVar("T")
-ERROR_TYPE_KEY = "rollout-error-type"
-SERVICE_NAME = "rollout.v1.RolloutEngine"
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 Prompt = str | Sequence[int]
 
 
 class EngineClient:
     """Generate, sleep/wake, update weights and inspect a `rollout-engine serve` process.
 
-    Status codes come back as the typed exceptions of `trainer_bridge.types`. Idempotent
+    Status codes come back as the typed exceptions of `rollout_engine.protocol`. Idempotent
     calls (info, memory_state, sleep, wake_up, reset_prefix_cache, release_kv_cache_memory)
     retry on UNAVAILABLE with exponential backoff; generate and update_weights do not.
     """
@@ -126,7 +128,7 @@ class EngineClient:
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
         if len(collected) != len(prompts):
-            raise EngineClientError("the server ended the stream before every prompt finished")
+            raise EngineError("the server ended the stream before every prompt finished")
         return [
             RequestOutput(
                 request_id=str(i),
@@ -164,10 +166,10 @@ class EngineClient:
             call.cancel()
 
     # --------------------------------------------------------------------- memory control
-    def sleep(self, level: int = 1, mode: str = "abort") -> int:
+    def sleep(self, level: SleepLevel | int = 1, mode: SleepMode = "abort") -> int:
         """Release memory (1: offload weights, drop KV; 2: drop both); returns the number of
         requests aborted (mode "abort") or drained (mode "wait")."""
-        reply = self._retrying(self._stub.Sleep, pb.SleepRequest(level=level, mode=mode))
+        reply = self._retrying(self._stub.Sleep, pb.SleepRequest(level=int(level), mode=mode))
         return reply.num_aborted_requests + reply.num_drained_requests
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
@@ -228,7 +230,7 @@ class EngineClient:
         finally:
             acks.stop()
         if version is None:
-            raise EngineClientError("the server ended the update without a weight version")
+            raise EngineError("the server ended the update without a weight version")
         return version
 
     def _resolve_transport(self, transport: str, tensors: transports.NamedTensors) -> str:
@@ -246,7 +248,7 @@ class EngineClient:
 
     def _server_is_cuda(self) -> bool:
         if self._server_device is None:
-            self._server_device = self.info()["device"]
+            self._server_device = self.info().device
         return self._server_device.startswith("cuda")
 
     def _shared_slots(self, kind: str, tensors, bucket_bytes: int) -> transports.SharedSlots:
@@ -263,16 +265,14 @@ class EngineClient:
         return slots
 
     # ---------------------------------------------------------------------- introspection
-    def info(self) -> dict[str, Any]:
+    def info(self) -> EngineInfo:
         """Model, config, weight version and counters (num_free_blocks, ...)."""
-        reply = self._retrying(self._stub.GetInfo, pb.GetInfoRequest())
-        info = _message_dict(reply)
-        info["config"] = json.loads(info.pop("config_json") or "{}")
-        return info
+        return from_message(self._retrying(self._stub.GetInfo, pb.GetInfoRequest()), EngineInfo)
 
-    def memory_state(self) -> dict[str, Any]:
+    def memory_state(self) -> MemoryState:
         """Per tag: state, mapped, num_bytes; plus is_sleeping, weights_valid, RSS."""
-        return _message_dict(self._retrying(self._stub.GetMemoryState, pb.GetMemoryStateRequest()))
+        reply = self._retrying(self._stub.GetMemoryState, pb.GetMemoryStateRequest())
+        return from_message(reply, MemoryState)
 
     # -------------------------------------------------------------------------- internals
     def _deadline(self, timeout: float | None) -> float | None:
@@ -294,17 +294,14 @@ class EngineClient:
 # ------------------------------------------------------------------------------ helpers
 
 
-def error_from_rpc(exc: grpc.RpcError) -> EngineClientError:
+def error_from_rpc(exc: grpc.RpcError) -> EngineError:
     """The typed exception for a failed call (status code, plus the engine's error type)."""
     code = exc.code().name if exc.code() is not None else "UNKNOWN"
     error_type = ""
     for key, value in exc.trailing_metadata() or ():
         if key == ERROR_TYPE_KEY:
             error_type = value
-    cls = ERRORS_BY_CODE.get(code, EngineClientError)
-    if code == "FAILED_PRECONDITION" and error_type == "EngineSleepingError":
-        cls = EngineSleepingError
-    return cls(f"{code}: {exc.details()}", code=code, error_type=error_type)
+    return error_from_status(code, exc.details() or "", error_type)
 
 
 def is_loopback_address(address: str) -> bool:
@@ -323,29 +320,13 @@ def _prompt_proto(prompt: Prompt) -> pb.Prompt:
     return pb.Prompt(token_ids=pb.TokenIds(token_ids=[int(t) for t in prompt]))
 
 
-def _params_proto(params: Any) -> pb.SamplingParams:
-    """Any object with SamplingParams' field names (ours or the engine's); None: defaults."""
-    if params is None:
-        return pb.SamplingParams()
-    message = pb.SamplingParams()
-    for name in _SAMPLING_FIELDS:
-        value = getattr(params, name, None)
-        if name == "stop_token_ids":
-            message.stop_token_ids.extend(value or [])
-        elif value is not None:
-            setattr(message, name, value)
-    return message
+def _params_proto(params: SamplingParams | None) -> pb.SamplingParams:
+    """None: every field unset, so the server applies its defaults."""
+    return pb.SamplingParams() if params is None else to_message(params, pb.SamplingParams())
 
 
 def _completion(message: pb.CompletionOutput) -> CompletionOutput:
-    return CompletionOutput(
-        index=message.index,
-        token_ids=list(message.token_ids),
-        logprobs=list(message.logprobs),
-        finish_reason=message.finish_reason or None,
-        text=message.text,
-        weight_version=message.weight_version,
-    )
+    return from_message(message, CompletionOutput)
 
 
 def _apply_generate_response(snapshot: RequestOutput, message: pb.GenerateResponse) -> None:
@@ -364,23 +345,3 @@ def _apply_generate_response(snapshot: RequestOutput, message: pb.GenerateRespon
             snapshot.outputs.remove(by_index[final.index])
         snapshot.outputs.append(_completion(final))
     snapshot.outputs.sort(key=lambda o: o.index)
-
-
-def _message_dict(message) -> dict[str, Any]:
-    """Fields as plain Python values (int64 stays int, unlike json_format)."""
-    result: dict[str, Any] = {}
-    for field in message.DESCRIPTOR.fields:
-        value = getattr(message, field.name)
-        if field.message_type is not None and field.message_type.GetOptions().map_entry:
-            result[field.name] = {
-                k: _message_dict(v) if hasattr(v, "DESCRIPTOR") else v for k, v in value.items()
-            }
-        elif hasattr(value, "DESCRIPTOR"):
-            result[field.name] = _message_dict(value)
-        elif isinstance(value, str | bytes | int | float | bool):
-            result[field.name] = value
-        else:
-            result[field.name] = [
-                _message_dict(v) if hasattr(v, "DESCRIPTOR") else v for v in value
-            ]
-    return result

@@ -15,18 +15,24 @@ import contextlib
 import ctypes
 import ctypes.util
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
+from rollout_engine.protocol import (
+    KV_CACHE_TAG,
+    WEIGHTS_TAG,
+    EngineError,
+    SleepLevel,
+    SleepMode,
+    check_sleep_mode,
+)
 from trainer_bridge.timeline import MemoryTimeline
 from trainer_bridge.transports import named_tensors
-from trainer_bridge.types import EngineClientError
 
 if TYPE_CHECKING:
     from trainer_bridge.client import EngineClient
 
-SleepLevel = Literal[0, 1, 2]
 Weights = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
@@ -58,7 +64,7 @@ class Colocation:
     -> reset prefix cache -> wake KV, recording each step as a phase of `timeline`.
 
     `sleep_level` 2 discards weights and KV while the trainer trains (weights must be pushed
-    before the next rollout), 1 offloads weights to host memory and discards KV, 0 never
+    before the next rollout), 1 offloads weights to host memory and discards KV, None never
     sleeps (the baseline the other two are measured against).
     """
 
@@ -66,16 +72,14 @@ class Colocation:
         self,
         client: EngineClient,
         *,
-        sleep_level: SleepLevel = 2,
-        sleep_mode: Literal["abort", "wait"] = "abort",
+        sleep_level: SleepLevel | int | None = SleepLevel.DISCARD_ALL,
+        sleep_mode: SleepMode = "abort",
         timeline: MemoryTimeline | None = None,
         transport: str = "auto",
         weight_dtype: torch.dtype | None = None,
     ) -> None:
-        if sleep_level not in (0, 1, 2):
-            raise ValueError(f"sleep_level must be 0 (never sleep), 1 or 2, got {sleep_level}")
-        self.sleep_level = sleep_level
-        self.sleep_mode = sleep_mode
+        self.sleep_level = None if sleep_level is None else SleepLevel.parse(sleep_level)
+        self.sleep_mode = check_sleep_mode(sleep_mode)
         self.timeline = timeline
         self.transport = transport
         self.weight_dtype = weight_dtype
@@ -88,10 +92,9 @@ class Colocation:
         stale: the next rollout pushes the trainer's weights before generating."""
         self.client = client
         state = client.memory_state()
-        tags = state["tags"]
-        self.is_weights_awake = tags["weights"]["state"] == "awake"
-        self.is_kv_awake = tags["kv_cache"]["state"] == "awake"
-        self.is_weights_discarded = not state["weights_valid"]
+        self.is_weights_awake = state.tags[WEIGHTS_TAG].state == "awake"
+        self.is_kv_awake = state.tags[KV_CACHE_TAG].state == "awake"
+        self.is_weights_discarded = not state.weights_valid
         self.needs_weights = True
         """The engine does not hold the trainer's current weights (as far as we know)."""
         self._engine_dtype: torch.dtype | None = None
@@ -111,13 +114,13 @@ class Colocation:
                              "rollout(weights=model) to push them before generating")
         elif not self.is_weights_awake:
             release_trainer_cache()
-            self._verb("wake_weights", self.client.wake_up, ["weights"])
+            self._verb("wake_weights", self.client.wake_up, [WEIGHTS_TAG])
             self.is_weights_awake = True
         self.wake_kv_cache()
         with self._phase("generate"):
             try:
                 yield self.client
-            except EngineClientError:
+            except EngineError:
                 raise  # the engine failed: a sleep call would fail (or hang) the same way
             except BaseException:
                 self.sleep()
@@ -150,7 +153,7 @@ class Colocation:
         self.end_training()
         release_trainer_cache()
         if not self.is_weights_awake:
-            self._verb("wake_weights", self.client.wake_up, ["weights"])
+            self._verb("wake_weights", self.client.wake_up, [WEIGHTS_TAG])
             self.is_weights_awake = True
         tensors = self._cast(weights)
         self.weight_version = self._verb(
@@ -163,17 +166,17 @@ class Colocation:
 
     def wake_kv_cache(self) -> None:
         if not self.is_kv_awake:
-            self._verb("wake_kv_cache", self.client.wake_up, ["kv_cache"])
+            self._verb("wake_kv_cache", self.client.wake_up, [KV_CACHE_TAG])
             self.is_kv_awake = True
 
     def sleep(self) -> None:
-        """Sleep at `sleep_level` (nothing at level 0)."""
-        if self.sleep_level == 0:
+        """Sleep at `sleep_level` (nothing when it is None)."""
+        if self.sleep_level is None:
             return
         self._verb("sleep", self.client.sleep, self.sleep_level, self.sleep_mode)
         self.is_kv_awake = False
         self.is_weights_awake = False
-        if self.sleep_level == 2:
+        if self.sleep_level == SleepLevel.DISCARD_ALL:
             self.needs_weights = self.is_weights_discarded = True
 
     # --------------------------------------------------------------------------- internals
@@ -190,6 +193,6 @@ class Colocation:
 
     def _engine_weight_dtype(self) -> torch.dtype:
         if self._engine_dtype is None:
-            name = self.client.info()["dtype"].removeprefix("torch.")
+            name = self.client.info().dtype
             self._engine_dtype = getattr(torch, name)
         return self._engine_dtype

@@ -11,16 +11,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Self
 
-_PAGE_SIZE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def process_rss_bytes(pid: int) -> int:
-    """Resident set size of `pid` from /proc/<pid>/statm; ProcessLookupError once it is gone."""
-    try:
-        with open(f"/proc/{pid}/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * _PAGE_SIZE_BYTES
-    except FileNotFoundError:
-        raise ProcessLookupError(f"no process with pid {pid}") from None
+from memory.process_memory import process_rss_bytes
 
 
 def pid_listening_on(port: int) -> int | None:

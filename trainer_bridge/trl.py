@@ -28,9 +28,9 @@ import torch
 from trl import GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
 
+from rollout_engine.protocol import EngineError, SamplingParams, SleepLevel
 from trainer_bridge.client import EngineClient
-from trainer_bridge.colocate import Colocation, SleepLevel
-from trainer_bridge.types import EngineClientError, SamplingParams
+from trainer_bridge.colocate import Colocation
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -55,7 +55,7 @@ class EngineGeneration(VLLMGeneration):
         accelerator: Accelerator,
         processing_class: Any,
         *,
-        sleep_level: SleepLevel = 2,
+        sleep_level: SleepLevel | int | None = SleepLevel.DISCARD_ALL,
         timeline: MemoryTimeline | None = None,
         generate_timeout_s: float | None = None,
         transport: str = "auto",
@@ -126,7 +126,7 @@ class EngineGeneration(VLLMGeneration):
 
     # --------------------------------------------------------------------------- internals
     def _sampling_params(self, n: int) -> SamplingParams:
-        params = SamplingParams(
+        fields = dict(
             n=n,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -135,9 +135,8 @@ class EngineGeneration(VLLMGeneration):
             repetition_penalty=self.repetition_penalty,
             max_tokens=self.max_completion_length,
         )
-        for key, value in self.generation_kwargs.items():
-            setattr(params, key, value)
-        return params
+        fields.update(self.generation_kwargs)
+        return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
 
     def _gathered_params(self) -> list[tuple[str, torch.Tensor]]:
         """(name, full tensor) pairs. A gathered shard is cloned: it is freed again when the
@@ -165,7 +164,7 @@ def _engine_context(client: EngineClient, action: str) -> Iterator[None]:
     """Say which engine failed and what to do, on top of the client's typed error."""
     try:
         yield
-    except EngineClientError as error:
+    except EngineError as error:
         error.add_note(f"the rollout engine at {client.address} failed while {action}; if it "
                        "died, restart it and call attach_engine(trainer, new_client) (weights "
                        "are pushed again before the next generation)")
@@ -176,7 +175,7 @@ def attach_engine(
     trainer: Any,
     engine: EngineClient | str,
     *,
-    sleep_level: SleepLevel = 2,
+    sleep_level: SleepLevel | int | None = SleepLevel.DISCARD_ALL,
     timeline: MemoryTimeline | None = None,
     generate_timeout_s: float | None = None,
     transport: str = "auto",
@@ -216,7 +215,7 @@ def _warn_on_precision_gap(args: Any, client: EngineClient) -> None:
     """bf16/fp16 autocast in the trainer against fp32 in the engine: the recomputed logprobs
     differ by ~1e-2 and the importance-sampling ratio measures that, not staleness."""
     is_mixed = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
-    if is_mixed and client.info()["dtype"].removeprefix("torch.") == "float32":
+    if is_mixed and client.info().dtype == "float32":
         logger.warning("the trainer computes in %s autocast but the engine in float32: the "
                        "importance-sampling correction will mostly measure the precision gap; "
                        "set bf16=False / fp16=False or serve the engine with --dtype bfloat16",
@@ -232,7 +231,7 @@ class EngineGRPOTrainer(GRPOTrainer):
         self,
         *args: Any,
         engine: EngineClient | str,
-        sleep_level: SleepLevel = 2,
+        sleep_level: SleepLevel | int | None = SleepLevel.DISCARD_ALL,
         timeline: MemoryTimeline | None = None,
         generate_timeout_s: float | None = None,
         transport: str = "auto",

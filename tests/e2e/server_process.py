@@ -27,13 +27,15 @@ def engine_flags(options: dict) -> list[str]:
 class ServerProcess:
     """`python -m rollout_engine.cli serve` on 127.0.0.1:0; the ready line gives the address."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *extra_args: str) -> None:
+    def __init__(
+        self, model_dir: Path, log_path: Path, *extra_args: str, env: dict[str, str] | None = None
+    ) -> None:
         self.log_path = log_path
         command = [
             sys.executable, "-m", "rollout_engine.cli", "serve", "--model", str(model_dir),
             "--host", "127.0.0.1", "--port", "0", *engine_flags(ENGINE_OPTIONS), *extra_args,
         ]
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
         # A file, not a pipe: the server never blocks on output nobody reads.
         self._log = open(log_path, "w")  # noqa: SIM115 - lives as long as the server
         self.process = subprocess.Popen(
@@ -56,6 +58,11 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text()
 
+    def cpu_time_s(self) -> float:
+        """User + system CPU seconds the server process has used so far."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM, then the exit status (the server drains and exits 0)."""
         if self.process.poll() is None:
@@ -70,9 +77,11 @@ class ServerProcess:
             self._log.close()
 
 
-def start_server(tmp_path_factory, model_dir: Path, *extra_args: str) -> ServerProcess:
+def start_server(
+    tmp_path_factory, model_dir: Path, *extra_args: str, env: dict[str, str] | None = None
+) -> ServerProcess:
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    return ServerProcess(model_dir, log_path, *extra_args)
+    return ServerProcess(model_dir, log_path, *extra_args, env=env)
 
 
 def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):

@@ -60,7 +60,7 @@ def reinforce_step(model, optimizer, outputs) -> float:
     return float(torch.stack(rewards).mean())
 
 
-def run_loop(server: EngineServer, model_dir, sleep_level: int, num_steps: int = 2):
+def run_loop(server: EngineServer, model_dir, sleep_level: int | None, num_steps: int = 2):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -75,7 +75,7 @@ def run_loop(server: EngineServer, model_dir, sleep_level: int, num_steps: int =
             versions.append({c.weight_version for o in outputs for c in o.outputs})
             with colocation.training():
                 reinforce_step(model, optimizer, outputs)
-        pool_bytes = client.memory_state()["pool_bytes"]
+        pool_bytes = client.memory_state().pool_bytes
         colocation.sync_weights(model)  # leave the engine awake for the next test
         colocation.wake_kv_cache()
     return timeline, versions, pool_bytes
@@ -83,7 +83,7 @@ def run_loop(server: EngineServer, model_dir, sleep_level: int, num_steps: int =
 
 def test_choreography_and_timeline(server, model_dir, tmp_path):
     with EngineClient(server.address, timeout=60) as client:
-        first_version = client.info()["weight_version"]
+        first_version = client.info().weight_version
     timeline, versions, _ = run_loop(server, model_dir, sleep_level=2)
     # Each rollout generated with the weights pushed just before it.
     assert versions == [{first_version + 1}, {first_version + 2}]
@@ -111,7 +111,7 @@ def test_level_2_needs_weights_before_generating(server):
 
 
 def test_sleeping_lowers_the_combined_peak_by_the_engine_pools(server, model_dir):
-    off, _, pool_bytes = run_loop(server, model_dir, sleep_level=0)
+    off, _, pool_bytes = run_loop(server, model_dir, sleep_level=None)
     on, _, _ = run_loop(server, model_dir, sleep_level=2)
     engine_bytes = pool_bytes["weights"] + pool_bytes["kv_cache"]
     peak_off = summarize(off.to_dict())["combined_peak_bytes"]

@@ -11,7 +11,7 @@ import torch
 from protos import rollout_pb2 as pb
 from rollout_engine import SamplingParams as EngineSamplingParams
 from tests.e2e.server_process import AUTH
-from trainer_bridge import InvalidArgumentError, SamplingParams
+from trainer_bridge import FailedPreconditionError, InvalidArgumentError, SamplingParams
 
 PROMPT = [11, 22, 33, 44, 55]
 GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
@@ -25,14 +25,14 @@ def reference(llm):
 @pytest.fixture
 def still_serving(client, reference):
     """After the test: same weights, same version, same greedy output, nothing left running."""
-    version = client.info()["weight_version"]
+    version = client.info().weight_version
     yield
     (output,) = client.generate([PROMPT], SamplingParams(**GREEDY))
     assert output.outputs[0].token_ids == reference
     info = client.info()
-    assert info["weight_version"] == version
-    assert info["weights_valid"] and not info["is_sleeping"]
-    assert info["num_inflight_requests"] == 0
+    assert info.weight_version == version
+    assert info.weights_valid and not info.is_sleeping
+    assert info.num_inflight_requests == 0
 
 
 BAD_PARAMS = {
@@ -83,7 +83,7 @@ def test_bad_sleep_level_and_mode(client, still_serving):
 def good_weights(client) -> dict[str, torch.Tensor]:
     """A manifest-valid tensor of the served model (embedding), for bad-update variants."""
     embedding = client.info()
-    return {"model.embed_tokens.weight": torch.zeros(embedding["vocab_size"], 64)}
+    return {"model.embed_tokens.weight": torch.zeros(embedding.vocab_size, 64)}
 
 
 @pytest.mark.parametrize("transport", ["stream", "shm"])
@@ -134,7 +134,7 @@ def test_update_while_generating_is_refused(client, still_serving):
     stream = client.generate_stream(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True))
     next(stream)
     try:
-        with pytest.raises(InvalidArgumentError, match="still generating"):
+        with pytest.raises(FailedPreconditionError, match="still generating"):
             client.update_weights(good_weights(client), transport="stream")
     finally:
         stream.close()

@@ -22,22 +22,22 @@ PROMPTS = [[7 + i, 8, 9, 10, 11 + i, 12] * 4 for i in range(4)]
 
 def blocks_back_to_initial(client, num_blocks: int) -> bool:
     info = client.info()
-    return info["num_free_blocks"] == num_blocks and info["num_inflight_requests"] == 0
+    return info.num_free_blocks == num_blocks and info.num_inflight_requests == 0
 
 
 def test_cancel_mid_stream_frees_blocks(client):
-    num_blocks = client.info()["num_blocks"]
+    num_blocks = client.info().num_blocks
     stream = client.generate_stream(PROMPTS[0], LONG)
     snapshot = next(stream)
     snapshot = next(stream)
     assert not snapshot.finished
-    assert client.info()["num_free_blocks"] < num_blocks, "the running request holds blocks"
+    assert client.info().num_free_blocks < num_blocks, "the running request holds blocks"
     stream.close()  # cancels the call
     assert wait_for(lambda: blocks_back_to_initial(client, num_blocks))
 
 
 def test_deadline_frees_blocks(client):
-    num_blocks = client.info()["num_blocks"]
+    num_blocks = client.info().num_blocks
     with pytest.raises(DeadlineExceededError):
         client.generate(PROMPTS, LONG, timeout=0.3)
     assert wait_for(lambda: blocks_back_to_initial(client, num_blocks))
@@ -47,7 +47,7 @@ def test_deadline_frees_blocks(client):
 
 
 def test_admission_limit(client):
-    limit = client.info()["max_inflight_requests"]
+    limit = client.info().max_inflight_requests
     too_many = [[5, 6, 7]] * (limit + 1)
     with pytest.raises(ResourceExhaustedError, match="in-flight requests"):
         client.generate(too_many, SamplingParams(max_tokens=1))
@@ -55,7 +55,7 @@ def test_admission_limit(client):
     stream = client.generate_stream(PROMPTS[2], LONG)
     next(stream)
     try:
-        assert client.info()["num_inflight_requests"] == 1
+        assert client.info().num_inflight_requests == 1
         with pytest.raises(ResourceExhaustedError):
             client.generate([[5, 6, 7]] * limit, SamplingParams(max_tokens=1))
     finally:

@@ -58,4 +58,4 @@ def test_200_concurrent_streams(client, llm):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids, f"stream {i}"
         # Arrival order sets the batch composition, which moves logprobs by float rounding.
         assert got.outputs[0].logprobs == pytest.approx(want.outputs[0].logprobs, abs=1e-4)
-    assert client.info()["num_inflight_requests"] == 0
+    assert client.info().num_inflight_requests == 0

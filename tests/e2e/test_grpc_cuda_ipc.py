@@ -30,7 +30,7 @@ def cuda_client(tmp_path_factory, llama_dir):
 def test_update_from_cuda_tensors(cuda_client, other_model_dirs, transport, seed):
     weights = {k: v.cuda() for k, v in load_file(str(other_model_dirs[seed] / "model.safetensors"))
                .items()}
-    version = cuda_client.info()["weight_version"]
+    version = cuda_client.info().weight_version
     cuda_client.sleep(level=2)
     cuda_client.wake_up(["weights"])
     # Small buckets: several buckets per update, so the two shared buffers are reused.

@@ -85,10 +85,10 @@ def test_generate_without_deltas_sends_only_final_outputs(raw_stub, llm):
 
 def test_info_reports_config_and_counters(client):
     info = client.info()
-    assert info["config"]["cache_config"]["kv_cache_bytes"] == ENGINE_OPTIONS["kv_cache_bytes"]
-    assert info["max_model_len"] == ENGINE_OPTIONS["max_model_len"]
-    assert info["architecture"] == "LlamaForCausalLM" and info["vocab_size"] == 512
-    assert 0 < info["num_free_blocks"] <= info["num_blocks"]
-    before = info["num_generated_tokens_total"]
+    assert info.config["cache_config"]["kv_cache_bytes"] == ENGINE_OPTIONS["kv_cache_bytes"]
+    assert info.max_model_len == ENGINE_OPTIONS["max_model_len"]
+    assert info.architecture == "LlamaForCausalLM" and info.vocab_size == 512
+    assert 0 < info.num_free_blocks <= info.num_blocks
+    before = info.num_generated_tokens_total
     client.generate([PROMPTS[0]], SamplingParams(max_tokens=5, ignore_eos=True))
-    assert client.info()["num_generated_tokens_total"] == before + 5
+    assert client.info().num_generated_tokens_total == before + 5

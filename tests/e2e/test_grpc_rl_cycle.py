@@ -75,7 +75,7 @@ def test_rl_cycle(rl_client, other_model_dirs, transport, seed, kind, bucket_byt
 
     assert rl_client.sleep(level=2) == 0
     state = rl_client.memory_state()
-    assert state["is_sleeping"] and not state["weights_valid"]
+    assert state.is_sleeping and not state.weights_valid
     with pytest.raises(EngineSleepingError, match="wake_up"):
         rl_client.generate(PROMPTS, GREEDY)
 
@@ -91,17 +91,17 @@ def test_rl_cycle(rl_client, other_model_dirs, transport, seed, kind, bucket_byt
     after = rl_client.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in after] == hf_tokens(new_model)
     assert {o.outputs[0].weight_version for o in after} == {new_version}
-    assert rl_client.info()["weight_version"] == new_version
+    assert rl_client.info().weight_version == new_version
 
 
 def test_sleep_level_1_keeps_weights(rl_client):
     expected = greedy_tokens(rl_client)
-    version = rl_client.info()["weight_version"]
+    version = rl_client.info().weight_version
     rl_client.sleep(level=1)
-    assert rl_client.memory_state()["tags"]["weights"]["state"] == "offloaded"
+    assert rl_client.memory_state().tags["weights"].state == "offloaded"
     rl_client.wake_up()
     assert greedy_tokens(rl_client) == expected
-    assert rl_client.info()["weight_version"] == version
+    assert rl_client.info().weight_version == version
 
 
 def test_release_kv_and_reset_prefix_cache(rl_client):
@@ -147,7 +147,7 @@ def test_update_cut_off_midway_refuses_generation_until_a_full_update(
         call.cancel()  # the trainer dies mid-update
         release.set()
 
-    assert wait_for(lambda: not rl_client.memory_state()["weights_valid"])
+    assert wait_for(lambda: not rl_client.memory_state().weights_valid)
     with pytest.raises(FailedPreconditionError, match="cut off"):
         rl_client.generate(PROMPTS, GREEDY)
     # A partial manifest is refused while the weights are inconsistent.

@@ -18,7 +18,7 @@ def test_served_speculation_gives_the_same_tokens_and_reports_stats(tmp_path_fac
             client.wait_until_ready(30)
             params = WireSamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True)
             outputs = client.generate(PROMPTS, params)
-            stats = client.info()["engine_stats"]
+            stats = client.info().engine_stats
     finally:
         assert process.stop() == 0
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]

@@ -49,7 +49,7 @@ class VersionRecorder(TrainerCallback):
         self.client, self.versions = client, []
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.versions.append(self.client.info()["weight_version"])
+        self.versions.append(self.client.info().weight_version)
 
 
 def make_trainer(model_dir: Path, tmp_path: Path, client: EngineClient, **config) -> EngineGRPOTrainer:
@@ -102,7 +102,7 @@ def test_grpo_two_steps_through_the_engine(engine, llama_dir, tmp_path):
     assert first["sampling/sampling_logp_difference/max"] < 1e-3, first
     for key in ("min", "mean", "max"):
         assert first[f"sampling/importance_sampling_ratio/{key}"] == pytest.approx(1.0, abs=1e-3)
-    assert client.memory_state()["is_sleeping"]  # asleep after the last rollout (level 2)
+    assert client.memory_state().is_sleeping  # asleep after the last rollout (level 2)
 
     assert trainer.sync_engine_weights() == 3
     after = engine_greedy(client)
@@ -117,7 +117,7 @@ def kill_when_generating(server: EngineServer, timeout_s: float = 60.0) -> threa
         with EngineClient(server.address, timeout=5) as watcher:
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
-                if watcher.info()["num_inflight_requests"] > 0:
+                if watcher.info().num_inflight_requests > 0:
                     server.kill()
                     return
                 time.sleep(0.005)
@@ -144,7 +144,7 @@ def test_engine_death_mid_rollout_then_a_restarted_engine_serves(engine, llama_d
     restarted = EngineClient(engine.address, timeout=60)
     trainer.attach_engine(restarted)
     trainer.train()  # the next step runs on the new engine, with the trainer's weights
-    assert restarted.info()["weight_version"] == 1
+    assert restarted.info().weight_version == 1
     assert [h for h in trainer.state.log_history if "reward" in h]
     client.close()
     restarted.close()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from protos import rollout_pb2 as pb
-from rollout_engine.server_wire import RawChunk, decode_update_request
+from rollout_engine.server.chunk_decoding import RawChunk, decode_update_request
 from trainer_bridge.transports import (
     ALIGNMENT_BYTES,
     Acks,

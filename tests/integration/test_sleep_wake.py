@@ -78,7 +78,7 @@ def test_level2_wake_up_without_an_update_refuses_to_generate(llm):
     assert tag_states(llm) == {"weights": ("discarded", True), "kv_cache": ("awake", True)}
     assert not llm.memory_state().weights_valid
     # Discarded weights come back zero-filled: no stale bytes, and the memory is claimed now.
-    assert all(not p.any() for p in llm.engine.model_runner.model.parameters())
+    assert all(not p.any() for p in llm.engine.worker.model_runner.model.parameters())
     with pytest.raises(EngineSleepingError, match=r"discarded by sleep\(level=2\).*update_weights"):
         llm.generate(PROMPTS, GREEDY)
     assert not llm.engine.has_unfinished_requests()
@@ -192,16 +192,16 @@ def test_timeline_records_phases_and_stays_bounded(llama_dir):
     llm = LLM(str(llama_dir), kv_cache_bytes=1 << 20, timeline_max_events=40)
     llm.sleep(level=1)
     llm.wake_up(["kv_cache"])
-    events = [(e["event"], e.get("phase")) for e in llm.memory_timeline.events]
+    events = [(e["event"], e.get("phase")) for e in llm.memory_events.events]
     assert ("engine_sleep", "begin") in events and ("engine_sleep", "end") in events
     assert ("sleep", "end") in events and ("engine_wake_up", "end") in events
-    sleep_end = next(e for e in llm.memory_timeline.events if e["event"] == "engine_sleep"
+    sleep_end = next(e for e in llm.memory_events.events if e["event"] == "engine_sleep"
                      and e["phase"] == "end")
     assert sleep_end["level"] == 1 and sleep_end["duration_s"] >= 0
     for _ in range(20):
         llm.sleep(level=1)
         llm.wake_up()
-    assert len(llm.memory_timeline.events) == 40
+    assert len(llm.memory_events.events) == 40
 
 
 # ---------------------------------------------------------------------- measured memory

@@ -8,7 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollout_engine import LLM, EngineSleepingError, SamplingParams, WeightUpdateError
+from rollout_engine import (
+    LLM,
+    EngineBusyError,
+    EngineSleepingError,
+    SamplingParams,
+    WeightUpdateError,
+)
 from rollout_engine.tiny_model import build_tiny_model
 from tests.integration.hf_oracle import hf_greedy
 
@@ -62,7 +68,7 @@ def test_update_accepts_pairs_and_a_partial_update_of_valid_weights(llm, referen
     original = checkpoint(llama_dir)
     scaled = original["model.norm.weight"] * 3.0
     assert llm.update_weights([("model.norm.weight", scaled)]) == 1
-    assert torch.equal(llm.engine.model_runner.model.model.norm.weight, scaled)
+    assert torch.equal(llm.engine.worker.model_runner.model.model.norm.weight, scaled)
     assert llm.update_weights([("model.norm.weight", original["model.norm.weight"])]) == 2
     outputs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == reference
@@ -95,10 +101,10 @@ def test_a_bad_update_is_refused_whole_and_the_old_weights_keep_serving(
 ):
     tensors = checkpoint(other_llama_dir)  # valid new weights, except for one entry
     match = corrupt(tensors)
-    before = {name: p.clone() for name, p in llm.engine.model_runner.model.named_parameters()}
+    before = {name: p.clone() for name, p in llm.engine.worker.model_runner.model.named_parameters()}
     with pytest.raises(WeightUpdateError, match=match):
         llm.update_weights(tensors)
-    after = dict(llm.engine.model_runner.model.named_parameters())
+    after = dict(llm.engine.worker.model_runner.model.named_parameters())
     assert all(torch.equal(before[name], after[name]) for name in before), "a byte was written"
     assert llm.weight_version == 0 and llm.memory_state().weights_valid
     assert greedy_tokens(llm) == reference
@@ -182,7 +188,7 @@ def test_a_new_session_supersedes_an_open_one(llm, reference, llama_dir):
 def test_updates_are_refused_while_requests_generate_or_weights_sleep(llm, llama_dir):
     tensors = checkpoint(llama_dir)
     llm.engine.add_request("busy", PROMPTS[0], GREEDY)
-    with pytest.raises(WeightUpdateError, match="1 requests are still generating"):
+    with pytest.raises(EngineBusyError, match="1 requests are still generating"):
         llm.update_weights(tensors)
     llm.sleep(level=1, mode="wait")
     with pytest.raises(EngineSleepingError, match=r"call wake_up\(\['weights'\]\) before updating"):
@@ -205,7 +211,7 @@ def test_sleep_aborts_an_open_session(llm, llama_dir):
 
 def test_tied_lm_head_is_an_alias_of_the_embedding(tiny_model_dirs):
     llm = LLM(str(tiny_model_dirs["qwen2"]), kv_cache_bytes=1 << 20)
-    model = llm.engine.model_runner.model
+    model = llm.engine.worker.model_runner.model
     assert model.tie_word_embeddings and "lm_head.weight" not in dict(model.named_parameters())
     reference = greedy_tokens(llm)
     embed = model.model.embed_tokens.weight.detach().clone()
@@ -223,7 +229,7 @@ def test_tied_lm_head_is_an_alias_of_the_embedding(tiny_model_dirs):
 
 def test_update_timeline_events(llm, llama_dir):
     llm.update_weights(checkpoint(llama_dir))
-    events = [e for e in llm.memory_timeline.events if e["event"] == "weight_update"]
+    events = [e for e in llm.memory_events.events if e["event"] == "weight_update"]
     assert [e["phase"] for e in events] == ["begin", "end"]
     assert events[1]["weight_version"] == 1
-    assert events[1]["num_bytes"] == sum(p.nbytes for p in llm.engine.model_runner.model.parameters())
+    assert events[1]["num_bytes"] == sum(p.nbytes for p in llm.engine.worker.model_runner.model.parameters())

@@ -9,10 +9,14 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from rollout_engine.config import CacheConfig, RuntimeLimits, SchedulerConfig, SpeculativeConfig
-from rollout_engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from rollout_engine.request import Request, RequestStatus
-from rollout_engine.sampling_params import SamplingParams
-from rollout_engine.scheduler import Scheduler
+from rollout_engine.core.request import Request, RequestStatus
+from rollout_engine.core.scheduler import Scheduler
+from rollout_engine.core.scheduler_output import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from rollout_engine.protocol import SamplingParams
 
 _SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_engine import block_pool as block_pool_module
-from rollout_engine.block_pool import ROOT_HASH, BlockPool, hash_block
+from rollout_engine.core import block_pool as block_pool_module
+from rollout_engine.core.block_pool import ROOT_HASH, BlockPool, hash_block
 
 
 def free_order(pool: BlockPool) -> list[int]:

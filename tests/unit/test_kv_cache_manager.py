@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rollout_engine.kv_cache_manager import KVCacheManager, cdiv
-from rollout_engine.request import Request
+from rollout_engine.core.kv_cache_manager import KVCacheManager, cdiv
+from rollout_engine.core.request import Request
 from tests.unit.factories import fresh_token_ids, make_request
 
 BLOCK_SIZE = 4
@@ -14,16 +14,20 @@ def make_manager(num_blocks: int = 16, enable_prefix_caching: bool = True) -> KV
 
 
 def compute(manager: KVCacheManager, request: Request, num_new_tokens: int) -> None:
-    """Allocate and advance the ledger, as the scheduler does for one step."""
+    """Allocate, advance the ledger, and cache once the step completed: one scheduler step."""
+    manager.begin_step()
     assert manager.allocate_slots(request, num_new_tokens)
     request.num_computed_tokens += num_new_tokens
+    manager.cache_blocks(request, request.num_computed_tokens)
 
 
 def admit(manager: KVCacheManager, request: Request) -> int:
     """Admit a waiting request with its cache hits and compute the rest of its tokens."""
+    manager.begin_step()
     hits, num_hit_tokens = manager.get_computed_blocks(request)
     assert manager.allocate_slots(request, request.num_tokens - num_hit_tokens, hits)
     request.num_computed_tokens = request.num_tokens
+    manager.cache_blocks(request, request.num_computed_tokens)
     return num_hit_tokens
 
 
@@ -64,6 +68,25 @@ def test_free_releases_tail_blocks_first() -> None:
     block_ids = manager.get_block_ids("a")
     manager.free(request)
     assert list(manager.block_pool._free) == [3] + block_ids[::-1]
+
+
+def test_blocks_are_cached_only_once_their_step_completed() -> None:
+    """A step that fails between allocation and completion must leave nothing to hit."""
+    manager = make_manager()
+    prefix = fresh_token_ids(9)
+    first = make_request("a", prefix + fresh_token_ids(1))
+    assert manager.allocate_slots(first, first.num_tokens)
+    first.num_computed_tokens = first.num_tokens  # scheduled, KV not written yet
+    second = make_request("b", prefix + fresh_token_ids(5))
+    # In the same step the blocks are shared (they are written before anyone reads them)...
+    assert manager.get_computed_blocks(second)[1] == 8
+    manager.begin_step()  # ... but the step failed: the next step must not see them.
+    assert manager.get_computed_blocks(second) == ([], 0)
+    assert manager.num_cached_tokens("a") == 0
+    manager.cache_blocks(first, 6)  # only what is written: one full block
+    assert manager.get_computed_blocks(second)[1] == 4
+    manager.cache_blocks(first, first.num_tokens)
+    assert manager.get_computed_blocks(second)[1] == 8 and manager.num_cached_tokens("a") == 8
 
 
 def test_full_blocks_of_a_shared_prefix_are_hit() -> None:

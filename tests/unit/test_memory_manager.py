@@ -5,7 +5,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from memory import MemoryManager, MemoryStateError, MemoryTimeline, TagState, UnknownTagError
+from memory import MemoryEventLog, MemoryManager, MemoryStateError, TagState, UnknownTagError
 
 WEIGHTS_BYTES = 1 << 20
 KV_BYTES = 2 << 20
@@ -184,8 +184,8 @@ def test_memory_state_reports_each_tag(manager: MemoryManager) -> None:
 
 
 def test_transitions_are_recorded_on_the_timeline() -> None:
-    timeline = MemoryTimeline()
-    with MemoryManager("cpu", timeline=timeline) as manager:
+    timeline = MemoryEventLog()
+    with MemoryManager("cpu", event_log=timeline) as manager:
         manager.create_pool("weights", 8192)
         manager.sleep("weights", offload=True)
         manager.wake("weights")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rollout_engine.config import SpeculativeConfig
-from rollout_engine.ngram_proposer import NgramProposer
+from rollout_engine.core.ngram_proposer import NgramProposer
 
 
 def make_proposer(k: int = 3, min_n: int = 2, max_n: int = 5) -> NgramProposer:

@@ -69,18 +69,19 @@ def test_shared_prefix_is_used_for_sibling_decodes():
 @pytest.mark.parametrize("seed", range(3))
 def test_heads_major_cache_gives_the_same_store_and_attention(seed):
     """The engine's CPU cache is stored [Hkv, num_blocks, bs, D] behind the usual view."""
+    from kernels import kv_cache_layout
     from kernels.dispatch import store_kv_cache
     from kernels.paged_attention_ref import store_kv_cache_ref
-    from rollout_engine.model_runner import KVCacheSpec
 
     rng = random.Random(seed)
     torch.manual_seed(seed)
     metadata = make_batch(rng, num_groups=5, shared=True)
-    spec = KVCacheSpec(num_layers=1, block_size=BLOCK_SIZE, num_kv_heads=2, head_dim=8,
-                       dtype=torch.float32)
-    storage = torch.zeros(spec.storage_shape(400, heads_major=True))
-    heads_major = KVCacheSpec.logical_view(storage, heads_major=True)[0]  # [2, N, bs, Hkv, D]
-    plain = torch.zeros(spec.shape(400))[0]
+    layout = kv_cache_layout(torch.device("cpu"))
+    assert layout.heads_major
+    dims = dict(num_layers=1, num_blocks=400, block_size=BLOCK_SIZE, num_kv_heads=2, head_dim=8)
+    storage = torch.zeros(layout.storage_shape(**dims))
+    heads_major = layout.logical_view(storage)[0]  # [2, N, bs, Hkv, D]
+    plain = torch.zeros(kv_cache_layout(torch.device("cuda")).storage_shape(**dims))[0]
     assert heads_major.shape == plain.shape and not heads_major.is_contiguous()
     num_tokens = sum(metadata.query_lens_cpu)
     key, value = torch.randn(2, num_tokens, 2, 8).unbind(0)

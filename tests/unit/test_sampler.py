@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from rollout_engine.sampler import (
+from rollout_engine.protocol import SamplingParams
+from rollout_engine.worker.sampler import (
     Sampler,
     SampleResult,
     SamplingRow,
@@ -14,7 +15,6 @@ from rollout_engine.sampler import (
     filter_logits,
     make_request_generator,
 )
-from rollout_engine.sampling_params import SamplingParams
 
 # Chi-square critical values at p = 1e-3; the seeds are fixed, so the tests are deterministic.
 CHI2_CRITICAL_1E3 = {4: 18.47, 5: 20.52, 8: 26.12}

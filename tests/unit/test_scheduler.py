@@ -7,9 +7,9 @@ import random
 import pytest
 
 from rollout_engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from rollout_engine.errors import InvalidRequestError, OutOfBlocksError
-from rollout_engine.request import RequestStatus
-from rollout_engine.scheduler import Scheduler
+from rollout_engine.core.request import RequestStatus
+from rollout_engine.core.scheduler import Scheduler
+from rollout_engine.protocol import InvalidRequestError, OutOfBlocksError
 from tests.unit.factories import (
     FakeModelRunner,
     check_ledger_invariants,

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-
 import pytest
 
-from rollout_engine.request import RequestStatus
+from rollout_engine.core.request import RequestStatus
 from tests.unit.factories import (
     FakeModelRunner,
     check_ledger_invariants,

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from rollout_engine.outputs import SchedulerOutput
-from rollout_engine.request import Request, RequestStatus
-from rollout_engine.scheduler import Scheduler
+from rollout_engine.core.request import Request, RequestStatus
+from rollout_engine.core.scheduler import Scheduler
+from rollout_engine.core.scheduler_output import SchedulerOutput
 from tests.unit.factories import (
     FakeModelRunner,
     check_ledger_invariants,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rollout_engine.config import SpeculativeConfig
-from rollout_engine.spec_decode import MIN_DRAFTS_TO_JUDGE, SpecDecoder
+from rollout_engine.core.spec_decode import MIN_DRAFTS_TO_JUDGE, SpecDecoder
 from tests.unit.factories import FakeModelRunner, make_request, make_scheduler
 
 PERIOD = [7, 8, 9, 10, 11]
@@ -14,6 +14,11 @@ def periodic_token(request_id: str, position: int) -> int:
     return PERIOD[position % len(PERIOD)]
 
 
+def draft(scheduler, decoder, num_running):
+    """The engine's drafting step: the drafter proposes, the scheduler takes the drafts."""
+    scheduler.update_draft_token_ids(decoder.propose(scheduler.requests_to_draft(), num_running))
+
+
 def run(scheduler, runner, decoder, max_steps=500):
     for _ in range(max_steps):
         if not scheduler.has_unfinished_requests():
@@ -22,7 +27,7 @@ def run(scheduler, runner, decoder, max_steps=500):
         runner_output = runner.execute(output)
         scheduler.update_from_output(output, runner_output)
         decoder.record(output, runner_output)
-        decoder.propose(scheduler.running, len(scheduler.running))
+        draft(scheduler, decoder, len(scheduler.running))
     raise AssertionError("requests did not finish")
 
 
@@ -67,12 +72,12 @@ def test_drafts_only_for_decoding_requests_and_capped_by_max_tokens():
     runner = FakeModelRunner(scheduler, token_fn=periodic_token)
     output = scheduler.schedule()  # a 12-token chunk of the prompt
     scheduler.update_from_output(output, runner.execute(output))
-    decoder.propose(scheduler.running, 1)
+    draft(scheduler, decoder, 1)
     assert request.spec_token_ids == []  # still prefilling
     while request.num_output_tokens == 0:
         output = scheduler.schedule()
         scheduler.update_from_output(output, runner.execute(output))
-    decoder.propose(scheduler.running, 1)
+    draft(scheduler, decoder, 1)
     # 2 tokens may still come; the target adds one after the drafts: one draft at most.
     assert len(request.spec_token_ids) == 1
 

@@ -1,4 +1,4 @@
-"""MemoryTimeline events, JSON output and the background sampler; process_rss_bytes."""
+"""MemoryEventLog events and JSON output; process_rss_bytes."""
 
 import json
 import os
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from memory import MemoryTimeline, process_rss_bytes
+from memory import MemoryEventLog, process_rss_bytes
 
 
 def test_record_keeps_given_fields_and_omits_unset_ones() -> None:
-    timeline = MemoryTimeline()
+    timeline = MemoryEventLog()
     before_s = time.time()
     timeline.record("sleep", phase="begin", tag="weights", num_bytes=4096, level=1)
     timeline.record("note")
@@ -31,7 +31,7 @@ def test_record_keeps_given_fields_and_omits_unset_ones() -> None:
 
 
 def test_events_is_a_copy_and_clear_empties() -> None:
-    timeline = MemoryTimeline()
+    timeline = MemoryEventLog()
     timeline.record("a")
     timeline.events.clear()
     assert len(timeline.events) == 1
@@ -40,7 +40,7 @@ def test_events_is_a_copy_and_clear_empties() -> None:
 
 
 def test_span_records_begin_end_and_errors() -> None:
-    timeline = MemoryTimeline()
+    timeline = MemoryEventLog()
     with timeline.span("wake", tag="kv_cache"):
         pass
     with pytest.raises(ValueError), timeline.span("wake", tag="weights"):
@@ -56,53 +56,12 @@ def test_span_records_begin_end_and_errors() -> None:
 
 
 def test_to_json_round_trips(tmp_path: Path) -> None:
-    timeline = MemoryTimeline()
+    timeline = MemoryEventLog()
     timeline.record("sleep", tag="weights", num_bytes=1)
     path = tmp_path / "timeline.json"
     timeline.to_json(path)
     written = json.loads(path.read_text())
     assert written == {"pid": os.getpid(), "events": timeline.events}
-
-
-def test_sampler_records_at_about_the_asked_rate() -> None:
-    timeline = MemoryTimeline()
-    timeline.start_sampling(hz=50)
-    assert timeline.is_sampling
-    time.sleep(0.6)
-    timeline.stop_sampling()
-    assert not timeline.is_sampling
-    samples = [event for event in timeline.events if event["event"] == "sample"]
-    assert all(sample["pid"] == os.getpid() and sample["rss_bytes"] > 0 for sample in samples)
-    assert 12 <= len(samples) <= 40, len(samples)  # about 30; loose for a busy machine
-    num_after_stop = len(timeline.events)
-    time.sleep(0.1)
-    assert len(timeline.events) == num_after_stop
-
-
-def test_sampler_follows_other_processes_and_skips_ended_ones() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
-    timeline = MemoryTimeline()
-    timeline.start_sampling(hz=100, pids=[os.getpid(), child.pid])
-    child.wait()
-    time.sleep(0.1)
-    timeline.stop_sampling()
-    child_samples = [event for event in timeline.events if event.get("pid") == child.pid]
-    own_samples = [event for event in timeline.events if event.get("pid") == os.getpid()]
-    assert child_samples and all(sample["rss_bytes"] > 0 for sample in child_samples)
-    assert len(own_samples) > len(child_samples)  # sampling went on after the child ended
-
-
-def test_sampler_arguments_are_checked() -> None:
-    timeline = MemoryTimeline()
-    with pytest.raises(ValueError, match="hz"):
-        timeline.start_sampling(hz=0)
-    timeline.start_sampling(hz=10)
-    try:
-        with pytest.raises(RuntimeError, match="stop_sampling"):
-            timeline.start_sampling(hz=10)
-    finally:
-        timeline.stop_sampling()
-    timeline.stop_sampling()  # harmless when not sampling
 
 
 def test_process_rss_bytes_of_this_and_other_processes() -> None:

@@ -7,13 +7,13 @@ drafts by what the request may still generate, and keeps the acceptance counters
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rollout_engine.config import SpeculativeConfig
-from rollout_engine.ngram_proposer import NgramProposer
-from rollout_engine.outputs import ModelRunnerOutput, SchedulerOutput
-from rollout_engine.request import Request, RequestStatus
+from rollout_engine.core.ngram_proposer import NgramProposer
+from rollout_engine.core.request import Request
+from rollout_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 # A request stops drafting once this many of its drafts were verified and fewer than
 # MIN_ACCEPTANCE_RATE of them were accepted: its text does not repeat.
@@ -90,16 +90,16 @@ class SpecDecoder:
             self.stats.num_accepted_tokens += num_accepted
             self.stats.num_draft_steps += 1
 
-    def propose(self, running: Iterable[Request], num_running: int) -> None:
-        """Set `spec_token_ids` on every decoding request that should draft next step."""
+    def propose(self, requests: Sequence[Request], num_running: int) -> dict[str, list[int]]:
+        """Drafts for the next step, by request id, for the decoding `requests` that should
+        draft; the scheduler takes them (`update_draft_token_ids`). Reads requests only."""
         if num_running > self.config.disable_by_batch_size:
             self.stats.num_disabled_steps += 1
-            return
-        for request in running:
-            if request.status is not RequestStatus.RUNNING:
-                continue
-            if request.num_computed_tokens != request.num_tokens - 1 or not self._is_worth(request):
-                continue  # still prefilling, or drafting does not pay for this request
+            return {}
+        drafts: dict[str, list[int]] = {}
+        for request in requests:
+            if not self._is_worth(request):
+                continue  # drafting does not pay for this request
             max_num_tokens = min(
                 self.config.num_speculative_tokens,
                 # The target adds one token after the drafts; never draft past the end.
@@ -107,7 +107,10 @@ class SpecDecoder:
                 self.max_model_len - request.num_tokens - 1,
             )
             if max_num_tokens > 0:
-                request.spec_token_ids = self.proposer.propose(request.all_token_ids, max_num_tokens)
+                proposal = self.proposer.propose(request.all_token_ids, max_num_tokens)
+                if proposal:
+                    drafts[request.request_id] = proposal
+        return drafts
 
     def _is_worth(self, request: Request) -> bool:
         record = self._records.get(request.request_id)

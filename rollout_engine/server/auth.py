@@ -1,9 +1,8 @@
-"""Bearer-token authentication for the gRPC server, and the bind-address safety rule."""
+"""Bearer-token authentication for the gRPC server (the bind-address rule is ServerConfig's)."""
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from collections.abc import Awaitable, Callable, Collection
 
 import grpc
@@ -12,28 +11,6 @@ import grpc
 OPEN_METHODS: frozenset[str] = frozenset(
     {"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"}
 )
-
-
-def is_loopback_host(host: str) -> bool:
-    """True for localhost, 127.0.0.0/8 and ::1; False for wildcard and other addresses."""
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_bind_is_safe(host: str, auth_token: str | None, allow_insecure_remote: bool) -> None:
-    """Refuse to expose an unauthenticated engine beyond this machine."""
-    if is_loopback_host(host) or auth_token or allow_insecure_remote:
-        return
-    raise ValueError(
-        f"refusing to bind {host!r} without --auth-token: anyone who can reach it could "
-        "generate, put the engine to sleep or replace its weights; set --auth-token, or "
-        "pass --allow-insecure-remote on a trusted network"
-    )
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):

@@ -2,58 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kernels import AttentionMetadata
-from rollout_engine.config import CacheConfig
-from rollout_engine.models.decoder import DecoderForCausalLM, head_dim_of
-from rollout_engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from rollout_engine.sampler import Sampler, SamplingRow, make_request_generator
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """Shape of the KV cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
-
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @classmethod
-    def from_model(cls, hf_config, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        return cls(
-            hf_config.num_hidden_layers, block_size, hf_config.num_key_value_heads,
-            head_dim_of(hf_config), dtype,
-        )
-
-    @property
-    def block_nbytes(self) -> int:
-        element_size = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
-
-    def num_blocks_for(self, cache_config: CacheConfig) -> int:
-        if cache_config.num_blocks is not None:
-            return cache_config.num_blocks
-        return max(1, cache_config.kv_cache_bytes // self.block_nbytes)
-
-    def shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-
-    def storage_shape(self, num_blocks: int, heads_major: bool) -> tuple[int, ...]:
-        """Memory order of the cache. Heads-major ([L, 2, Hkv, num_blocks, bs, D]) lets the
-        CPU attention gather a batch's blocks straight into [Hkv, N, L, D] in one copy."""
-        if not heads_major:
-            return self.shape(num_blocks)
-        return (self.num_layers, 2, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
-
-    @staticmethod
-    def logical_view(storage: torch.Tensor, heads_major: bool) -> torch.Tensor:
-        """Always [L, 2, num_blocks, bs, Hkv, D] to the model and kernels, whatever the order."""
-        return storage.permute(0, 1, 3, 4, 2, 5) if heads_major else storage
+from rollout_engine.core.scheduler_output import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from rollout_engine.worker.fault_injection import FaultInjector
+from rollout_engine.worker.models.decoder import DecoderForCausalLM
+from rollout_engine.worker.sampler import Sampler, SamplingRow, make_request_generator
 
 
 class ModelRunner:
@@ -68,6 +27,18 @@ class ModelRunner:
         self.device = kv_caches.device
         self.sampler = Sampler(seed=seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.fault_injector: FaultInjector | None = None
+        self._fault_hook: torch.utils.hooks.RemovableHandle | None = None
+        self.set_fault_injector(FaultInjector.from_env())
+
+    def set_fault_injector(self, injector: FaultInjector | None) -> None:
+        """Test-only: make chosen steps' forward raise (None turns it off)."""
+        if self._fault_hook is not None:
+            self._fault_hook.remove()
+            self._fault_hook = None
+        self.fault_injector = injector
+        if injector is not None:
+            self._fault_hook = injector.install(self.model)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -77,6 +48,8 @@ class ModelRunner:
         if not scheduled:
             return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
         input_ids, positions, metadata = self._prepare_inputs(scheduled)
+        if self.fault_injector is not None:
+            self.fault_injector.arm(scheduler_output)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
         sample_rows, sampling_rows, sampled_reqs = self._prepare_sampling(scheduled)
         if not sampled_reqs:

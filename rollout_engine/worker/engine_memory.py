@@ -4,47 +4,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from memory import MemoryManager, MemoryPool, MemoryTimeline, TagState
-from rollout_engine.errors import EngineSleepingError, InvalidRequestError
-
-WEIGHTS_TAG = "weights"
-KV_CACHE_TAG = "kv_cache"
-MEMORY_TAGS: tuple[str, ...] = (WEIGHTS_TAG, KV_CACHE_TAG)
+from memory import MemoryEventLog, MemoryManager, MemoryPool, TagState
+from rollout_engine.protocol import (
+    KV_CACHE_TAG,
+    WEIGHTS_TAG,
+    EngineSleepingError,
+    MemoryState,
+    SleepLevel,
+    TagMemoryState,
+)
 
 # Why the weights' contents are not valid, for the error a caller sees.
 _DiscardCause = Literal["sleep", "update"]
-
-
-@dataclass(frozen=True)
-class TagMemoryState:
-    """One pool as the user sees it."""
-
-    state: str
-    """"awake", "offloaded" (contents in a host backup) or "discarded" (contents lost)."""
-    mapped: bool
-    """Whether physical memory backs the pool right now."""
-    bytes: int
-    """Capacity of the pool."""
-
-
-@dataclass(frozen=True)
-class MemoryState:
-    """A snapshot of the engine's memory, as `memory_state()` returns it."""
-
-    tags: dict[str, TagMemoryState]
-    pool_bytes: dict[str, int]
-    is_sleeping: bool
-    """True while any pool's memory is released."""
-    weights_valid: bool
-    """False after sleep(level=2) and during (or after a cut-off) weight update."""
-    process_rss_bytes: int
-    device_memory: dict[str, int] | None
-    """{"device_used_bytes", "device_total_bytes"} on CUDA, None on CPU."""
 
 
 class EngineMemory:
@@ -55,8 +30,8 @@ class EngineMemory:
     contents the driver leaves undefined, so stale bytes never reach attention.
     """
 
-    def __init__(self, device: torch.device, timeline: MemoryTimeline | None = None) -> None:
-        self.manager = MemoryManager(device, timeline)
+    def __init__(self, device: torch.device, event_log: MemoryEventLog | None = None) -> None:
+        self.manager = MemoryManager(device, event_log)
         self._weights_discard_cause: _DiscardCause | None = None
         self._is_ready = True
 
@@ -73,11 +48,10 @@ class EngineMemory:
         return pool.allocate(shape, dtype)
 
     # ------------------------------------------------------------------ transitions
-    def sleep(self, level: int) -> None:
+    def sleep(self, level: SleepLevel) -> None:
         """Level 1: weights to a host backup, KV discarded. Level 2: both discarded."""
-        assert level in (1, 2), level
-        self.manager.sleep(WEIGHTS_TAG, offload=level == 1)
-        if level == 2:
+        self.manager.sleep(WEIGHTS_TAG, offload=level == SleepLevel.OFFLOAD_WEIGHTS)
+        if level == SleepLevel.DISCARD_ALL:
             self.manager.mark_invalid(WEIGHTS_TAG)  # also drops a backup of an earlier level 1
             self._weights_discard_cause = "sleep"
         self.manager.sleep(KV_CACHE_TAG, offload=False)
@@ -111,11 +85,6 @@ class EngineMemory:
         self._update_ready()
 
     # ------------------------------------------------------------------ checks
-    @property
-    def is_ready(self) -> bool:
-        """Weights valid and mapped, KV mapped: the model may run."""
-        return self._is_ready
-
     @property
     def weights_valid(self) -> bool:
         """Awake, or offloaded with a backup: the contents need no update."""
@@ -178,29 +147,11 @@ class EngineMemory:
             tag: TagMemoryState(entry["state"], entry["mapped"], entry["bytes"])
             for tag, entry in raw["tags"].items()
         }
-        device_memory = {k: v for k, v in raw.items() if k.startswith("device_")}
         return MemoryState(
             tags=tags,
-            pool_bytes={tag: entry.bytes for tag, entry in tags.items()},
+            pool_bytes={tag: entry.num_bytes for tag, entry in tags.items()},
             is_sleeping=not all(entry.mapped for entry in tags.values()),
             weights_valid=self.weights_valid,
             process_rss_bytes=raw["process_rss_bytes"],
-            device_memory=device_memory or None,
+            device_memory={k: int(v) for k, v in raw.items() if k.startswith("device_")},
         )
-
-
-def check_tags(tags: Sequence[str] | None) -> list[str]:
-    """The tags to wake, in pool order; InvalidRequestError naming the valid ones."""
-    if tags is None:
-        return list(MEMORY_TAGS)
-    if isinstance(tags, str) or not isinstance(tags, Sequence):
-        raise InvalidRequestError(
-            f"tags must be a list of memory tags such as ['weights'], got {tags!r}; "
-            f"valid tags: {list(MEMORY_TAGS)}"
-        )
-    for tag in tags:
-        if tag not in MEMORY_TAGS:
-            raise InvalidRequestError(
-                f"unknown memory tag {tag!r}; valid tags: {list(MEMORY_TAGS)}"
-            )
-    return [tag for tag in MEMORY_TAGS if tag in tags]

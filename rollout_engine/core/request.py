@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import enum
-from typing import Literal
 
-from rollout_engine.sampling_params import SamplingParams
-
-FinishReason = Literal["stop", "length", "abort"]
+from rollout_engine.protocol import FinishReason, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -33,7 +30,6 @@ class Request:
         *,
         group_id: str | None = None,
         sample_index: int = 0,
-        arrival_index: int = 0,
     ) -> None:
         assert len(prompt_token_ids) > 0, "a request needs at least one prompt token"
         self.request_id = request_id
@@ -42,7 +38,6 @@ class Request:
         self.group_id = group_id if group_id is not None else request_id
         """Requests sampled from the same prompt share a group (a GRPO group)."""
         self.sample_index = sample_index
-        self.arrival_index = arrival_index
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[float] = []
@@ -51,8 +46,6 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
-        self.block_hashes: list[int] = []
-        """Chained hashes of this request's full committed blocks (prefix caching)."""
 
     @property
     def num_prompt_tokens(self) -> int:

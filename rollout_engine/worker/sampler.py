@@ -1,4 +1,7 @@
-"""Turns target logits into tokens: repetition penalty, filters, sampling, draft verification."""
+"""Turns target logits into tokens: repetition penalty, temperature, filters, random draws.
+
+Draft verification (greedy and rejection sampling) lives in `rejection_sampler`.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.protocol import SamplingParams
+from rollout_engine.worker.rejection_sampler import (
+    SampleResult,
+    greedy_verify,
+    rejection_sample,
+    select_rows,
+)
 
 _MASK_64 = (1 << 64) - 1
 # Top-p first looks for its nucleus among this many most likely tokens (a partial sort),
@@ -25,17 +34,6 @@ class SamplingRow:
     """Prompt + committed output tokens (for repetition_penalty)."""
     draft_token_ids: list[int]
     """Speculative drafts to verify ([] for a plain step)."""
-
-
-@dataclass
-class SampleResult:
-    """What one row produced this step."""
-
-    token_ids: list[int]
-    """Accepted drafts + one token from the target (len = num_accepted_drafts + 1)."""
-    logprobs: list[float]
-    """fp32 logprob of each returned token under the target's processed distribution."""
-    num_accepted_drafts: int
 
 
 def _splitmix64(x: int) -> int:
@@ -143,33 +141,6 @@ def filter_logits(
     return logits
 
 
-def _select_rows(logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
-    """logits[positions] for sorted unique positions, without a copy when that is all rows."""
-    if len(positions) == logits.shape[0]:
-        return logits
-    return logits.index_select(0, torch.tensor(positions, device=logits.device))
-
-
-def _num_leading_true(flags: list[bool]) -> int:
-    for i, flag in enumerate(flags):
-        if not flag:
-            return i
-    return len(flags)
-
-
-def _inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Sample each row of unnormalised `probs` [R, V] with one uniform per row [R].
-
-    The token is the first index whose cumulative mass exceeds u * total; zero-mass tokens
-    never are (their cumulative mass equals their predecessor's). One random number per
-    row, so a request's stream does not depend on the vocabulary size or the batch.
-    """
-    cdf = probs.double().cumsum(-1)  # [R, V]
-    target = (uniforms.double() * cdf[:, -1]).unsqueeze(1)  # [R, 1]
-    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return token_ids.clamp_(max=probs.shape[1] - 1)
-
-
 class Sampler:
     """Samples (and verifies drafts) for every row of a step in one batched call.
 
@@ -205,36 +176,14 @@ class Sampler:
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if greedy:
-            for i, result in zip(greedy, self._greedy(logits, rows, offsets, greedy)):
+            positions = [p for i in greedy for p in range(offsets[i], offsets[i + 1])]
+            drafts = [rows[i].draft_token_ids for i in greedy]
+            for i, result in zip(greedy, greedy_verify(select_rows(logits, positions), drafts)):
                 results[i] = result
         if sampled:
             for i, result in zip(sampled, self._sample(logits, rows, offsets, sampled)):
                 results[i] = result
         return results  # type: ignore[return-value]
-
-    def _greedy(
-        self, logits: torch.Tensor, rows: list[SamplingRow], offsets: list[int], row_ids: list[int]
-    ) -> list[SampleResult]:
-        """Accept drafts while they equal the target's argmax, then append its argmax."""
-        positions = [p for i in row_ids for p in range(offsets[i], offsets[i + 1])]
-        row_logits = _select_rows(logits, positions)  # [G, V]
-        argmax = row_logits.argmax(-1)  # [G]
-        logprobs = row_logits.log_softmax(-1).gather(1, argmax[:, None]).squeeze(1)  # [G]
-        argmax_ids, logprob_values = argmax.tolist(), logprobs.tolist()
-        results, cursor = [], 0
-        for i in row_ids:
-            drafts = rows[i].draft_token_ids
-            targets = argmax_ids[cursor : cursor + len(drafts) + 1]
-            num_accepted = _num_leading_true([t == d for t, d in zip(targets, drafts)])
-            results.append(
-                SampleResult(
-                    token_ids=targets[: num_accepted + 1],
-                    logprobs=logprob_values[cursor : cursor + num_accepted + 1],
-                    num_accepted_drafts=num_accepted,
-                )
-            )
-            cursor += len(drafts) + 1
-        return results
 
     def _processed_logprobs(
         self, logits: torch.Tensor, rows: list[SamplingRow], offsets: list[int], row_ids: list[int]
@@ -249,7 +198,7 @@ class Sampler:
         top_k = torch.tensor([p.top_k for p in params], device=device)  # [S]
         top_p = torch.tensor([p.top_p for p in params], device=device)  # [S]
         min_p = torch.tensor([p.min_p for p in params], device=device)  # [S]
-        scaled = _select_rows(logits, positions)  # [S, V]
+        scaled = select_rows(logits, positions)  # [S, V]
         if bool((temperature != 1.0).any()):
             scaled = scaled / temperature[:, None]
         return filter_logits(scaled, top_k, top_p, min_p).log_softmax(-1)  # [S, V]
@@ -271,101 +220,8 @@ class Sampler:
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], offsets: list[int], row_ids: list[int]
     ) -> list[SampleResult]:
-        """Speculative sampling with point-mass (n-gram) drafts, then one token from the target.
-
-        Draft d at position j is a point mass q_j = delta_d, so the usual rule
-            accept with probability min(1, p_j(d) / q_j(d)) = p_j(d)    (u ~ U(0,1), u < p_j(d))
-            on rejection sample from norm(max(p_j - q_j, 0))  =  p_j with p_j[d] = 0, renormalised
-        gives P(token = d) = p_j(d) and P(token = x != d) = (1 - p_j(d)) p_j(x) / (1 - p_j(d)),
-        i.e. exactly p_j. All drafts accepted: a bonus token from p_k. Reported logprobs are
-        log p_j(token) under the target, also for a token drawn from the residual.
-        """
+        """Processed logprobs and the k + 1 uniforms per row, then rejection sampling."""
         logprobs = self._processed_logprobs(logits, rows, offsets, row_ids)  # [S, V]
-        uniforms, token_uniforms = self._draw(rows, row_ids)
-        starts, cursor = [], 0  # each row's first position within `logprobs`
-        for i in row_ids:
-            starts.append(cursor)
-            cursor += offsets[i + 1] - offsets[i]
-        num_accepted = self._verify_drafts(logprobs, rows, row_ids, starts, uniforms)
-
-        final_positions, rejected_rows, rejected_ids = [], [], []
-        for r, i in enumerate(row_ids):
-            final_positions.append(starts[r] + num_accepted[r])
-            if num_accepted[r] < len(rows[i].draft_token_ids):
-                rejected_rows.append(r)
-                rejected_ids.append(rows[i].draft_token_ids[num_accepted[r]])
-        device = logits.device
-        probs = _select_rows(logprobs, final_positions).exp()  # [R, V]
-        rejected = (
-            torch.tensor(rejected_rows, dtype=torch.long, device=device),
-            torch.tensor(rejected_ids, dtype=torch.long, device=device),
-        )
-        probs[rejected] = 0.0  # the residual p_j with p_j[d] = 0
-        token_ids = _inverse_cdf_sample(probs, token_uniforms.to(device))  # [R]
-        final_positions_t = torch.tensor(final_positions, device=device)
-        final_logprobs = logprobs[final_positions_t, token_ids].tolist()
-        return self._sampled_results(
-            logprobs, rows, row_ids, starts, num_accepted, token_ids.tolist(), final_logprobs
-        )
-
-    def _verify_drafts(
-        self,
-        logprobs: torch.Tensor,
-        rows: list[SamplingRow],
-        row_ids: list[int],
-        starts: list[int],
-        uniforms: list[torch.Tensor],
-    ) -> list[int]:
-        """Number of leading drafts accepted per row: u_j < p_j(d_j)."""
-        positions, draft_ids = [], []
-        for r, i in enumerate(row_ids):
-            drafts = rows[i].draft_token_ids
-            positions.extend(range(starts[r], starts[r] + len(drafts)))
-            draft_ids.extend(drafts)
-        if not positions:
-            return [0] * len(row_ids)
-        device = logprobs.device
-        index = (torch.tensor(positions, device=device), torch.tensor(draft_ids, device=device))
-        p_draft = logprobs[index].exp()  # [D]
-        # u < 1 always, so p_j(d) = 1 is always accepted; and p_j(d) < 1 in fp32 means some
-        # other token has p > 0: a rejection always leaves a non-empty residual.
-        accepted = (torch.cat(uniforms).to(device) < p_draft).tolist()
-        num_accepted, cursor = [], 0
-        for i in row_ids:
-            num_drafts = len(rows[i].draft_token_ids)
-            num_accepted.append(_num_leading_true(accepted[cursor : cursor + num_drafts]))
-            cursor += num_drafts
-        return num_accepted
-
-    @staticmethod
-    def _sampled_results(
-        logprobs: torch.Tensor,
-        rows: list[SamplingRow],
-        row_ids: list[int],
-        starts: list[int],
-        num_accepted: list[int],
-        final_ids: list[int],
-        final_logprobs: list[float],
-    ) -> list[SampleResult]:
-        positions, draft_ids = [], []
-        for r, i in enumerate(row_ids):
-            positions.extend(range(starts[r], starts[r] + num_accepted[r]))
-            draft_ids.extend(rows[i].draft_token_ids[: num_accepted[r]])
-        accepted_logprobs: list[float] = []
-        if positions:
-            device = logprobs.device
-            index = (torch.tensor(positions, device=device), torch.tensor(draft_ids, device=device))
-            accepted_logprobs = logprobs[index].tolist()
-        results, cursor = [], 0
-        for r, i in enumerate(row_ids):
-            accepted = rows[i].draft_token_ids[: num_accepted[r]]
-            results.append(
-                SampleResult(
-                    token_ids=accepted + [final_ids[r]],
-                    logprobs=accepted_logprobs[cursor : cursor + num_accepted[r]]
-                    + [final_logprobs[r]],
-                    num_accepted_drafts=num_accepted[r],
-                )
-            )
-            cursor += num_accepted[r]
-        return results
+        draft_uniforms, token_uniforms = self._draw(rows, row_ids)
+        drafts = [rows[i].draft_token_ids for i in row_ids]
+        return rejection_sample(logprobs, drafts, draft_uniforms, token_uniforms)

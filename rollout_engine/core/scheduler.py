@@ -11,10 +11,14 @@ from collections import deque
 from collections.abc import Iterable
 
 from rollout_engine.config import CacheConfig, RuntimeLimits, SchedulerConfig, SpeculativeConfig
-from rollout_engine.errors import InvalidRequestError, OutOfBlocksError
-from rollout_engine.kv_cache_manager import KVCacheManager, cdiv
-from rollout_engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from rollout_engine.request import FinishReason, Request, RequestStatus
+from rollout_engine.core.kv_cache_manager import KVCacheManager, cdiv
+from rollout_engine.core.request import Request, RequestStatus
+from rollout_engine.core.scheduler_output import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from rollout_engine.protocol import FinishReason, InvalidRequestError, OutOfBlocksError
 
 
 class Scheduler:
@@ -79,9 +83,42 @@ class Scheduler:
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    @property
+    def num_running_requests(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache_manager.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache_manager.num_free_blocks
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (weights changed, or the KV memory was released)."""
+        self.kv_cache_manager.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ drafts
+    def requests_to_draft(self) -> list[Request]:
+        """Running requests that decode next step (one committed token without KV), in order.
+
+        Read-only for the drafter: drafts come back through `update_draft_token_ids`.
+        """
+        return [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Take the drafter's proposals for the next step (the only writer of drafts)."""
+        for request_id, drafts in draft_token_ids.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # ended since the drafter looked
+            request.spec_token_ids = list(drafts)
+
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         """Hand out this step's token budget: running requests first, then waiting ones."""
+        self.kv_cache_manager.begin_step()
         output = SchedulerOutput(finished_request_ids=self._finished_request_ids)
         self._finished_request_ids = []
         budget = self.config.max_num_batched_tokens
@@ -106,12 +143,14 @@ class Scheduler:
             logprobs = (runner_output.logprobs or {}).get(request.request_id)
             num_drafts = scheduled.num_spec_tokens
             request.spec_token_ids = []
-            if not sampled:
-                assert num_drafts == 0, f"{request} had {num_drafts} drafts but sampled nothing"
-                continue
             assert len(sampled) <= num_drafts + 1, f"{len(sampled)} tokens for {num_drafts} drafts"
+            assert sampled or num_drafts == 0, f"{request} had {num_drafts} drafts, sampled nothing"
             # Rejected drafts' positions are recomputed next step (their KV is stale).
-            request.num_computed_tokens -= num_drafts - (len(sampled) - 1)
+            request.num_computed_tokens -= num_drafts - max(len(sampled) - 1, 0)
+            # The step completed: the KV below num_computed_tokens is written and committed.
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            if not sampled:
+                continue  # a prefill chunk short of the prompt's end yields no token
             self._append_tokens(request, sampled, logprobs)
             updated.append(request)
         if any(r.is_finished for r in updated):
@@ -140,18 +179,11 @@ class Scheduler:
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         held_back: list[Request] = []
-        # Only worth waiting for a sibling's prefill if its blocks can be reused.
-        can_share = self.kv_cache_manager.enable_prefix_caching
-        prefilling_groups = {
-            r.group_id
-            for r in self.running
-            if can_share and r.num_computed_tokens < r.num_prompt_tokens
-            and r.num_prompt_tokens > self.block_size
-        }
+        prefilling_groups = {r.group_id for r in self.running if self._is_prefilling_prompt(r)}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.group_id in prefilling_groups and request.num_computed_tokens == 0:
-                # A sibling is still prefilling this prompt: wait and reuse its blocks.
+                # A sibling is still writing this prompt's KV: wait and reuse its blocks.
                 held_back.append(self.waiting.popleft())
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -165,10 +197,20 @@ class Scheduler:
             self.running.append(request)
             self._record(output, request, num_new)
             budget -= num_new
-            if can_share and request.num_computed_tokens < request.num_prompt_tokens:
-                if request.num_prompt_tokens > self.block_size:
-                    prefilling_groups.add(request.group_id)
+            if self._is_prefilling_prompt(request):
+                prefilling_groups.add(request.group_id)
         self.waiting.extendleft(reversed(held_back))
+
+    def _is_prefilling_prompt(self, request: Request) -> bool:
+        """True while the request's prompt is not all scheduled and has a full block to share:
+        its siblings wait for it instead of computing the same prompt again. Blocks scheduled
+        in this step are shared in this step (see KVCacheManager), cached ones after it."""
+        if not self.kv_cache_manager.enable_prefix_caching:
+            return False
+        return (
+            request.num_computed_tokens < request.num_prompt_tokens
+            and request.num_prompt_tokens > self.block_size
+        )
 
     def _num_new_tokens(self, request: Request, budget: int, num_computed: int | None = None) -> int:
         computed = request.num_computed_tokens if num_computed is None else num_computed

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from rollout_engine.errors import WeightUpdateError
+from memory import MemoryEventLog
+from rollout_engine.protocol import WeightUpdateError
+from rollout_engine.worker.engine_memory import EngineMemory
 
 ManifestEntry = tuple[str, tuple[int, ...], torch.dtype]
 """(name, shape, dtype) of one tensor an update will send."""
@@ -207,3 +209,78 @@ def materialize(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
                 f"update_weights takes {{name: tensor}} or (name, tensor) pairs; got {item!r:.80}"
             )
     return items
+
+
+class WeightUpdater:
+    """Opens, supersedes and finishes the update sessions of one model; owns the weight version.
+
+    At most one session is open. While it is, and after one is cut off, the weights are marked
+    inconsistent in `memory` and generation is refused; a finished session bumps the version
+    and calls `on_update` (the engine resets its prefix cache there).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        memory: EngineMemory,
+        event_log: MemoryEventLog,
+        on_update: Callable[[], None],
+    ) -> None:
+        self._params, self._aliases = weight_targets(model)
+        self._memory = memory
+        self._event_log = event_log
+        self._on_update = on_update
+        self._session: WeightUpdateSession | None = None
+        self.weight_version = 0
+
+    def begin(self, manifest: Sequence[ManifestEntry]) -> WeightUpdateSession:
+        """Validate every (name, shape, dtype), then open a session (an open one is aborted)."""
+        self._memory.check_weights_mapped()
+        require_all = None
+        if not self._memory.weights_valid:
+            require_all = (
+                "the current weights are not valid (discarded by sleep(level=2), or an earlier "
+                "update was cut off)"
+            )
+        plan = plan_update(manifest, self._params, self._aliases, require_all)
+        self.close_session("a newer begin_weight_update superseded it")
+        self._memory.begin_weight_update()
+        self._session = WeightUpdateSession(plan, self._finish, self._on_closed)
+        self._event_log.record(
+            "weight_update", phase="begin", tag="weights", num_bytes=self._session.num_bytes
+        )
+        return self._session
+
+    def update(self, named_tensors: NamedTensors) -> int:
+        """Write a whole update in one session; the new weight version."""
+        items = materialize(named_tensors)
+        session = self.begin([(n, tuple(t.shape), t.dtype) for n, t in items])
+        try:
+            for name, tensor in items:
+                session.write(name, tensor)
+        except BaseException:
+            session.abort("a write failed")
+            raise
+        return session.finish()
+
+    def close_session(self, reason: str) -> None:
+        """Abort the open session, if any; the weights stay inconsistent until an update lands."""
+        if self._session is not None:
+            self._session.abort(reason)
+
+    def _finish(self, session: WeightUpdateSession) -> int:
+        assert session is self._session, "a closed session finished"
+        self._session = None
+        self._memory.finish_weight_update()
+        self.weight_version += 1
+        self._on_update()
+        self._event_log.record(
+            "weight_update", phase="end", tag="weights", num_bytes=session.num_bytes,
+            weight_version=self.weight_version,
+        )
+        return self.weight_version
+
+    def _on_closed(self, session: WeightUpdateSession, reason: str) -> None:
+        if session is self._session:
+            self._session = None
+        self._event_log.record("weight_update", phase="abort", tag="weights", reason=reason)

@@ -1,11 +1,10 @@
-"""What moves between the scheduler, the model runner and the user."""
+"""What moves between the scheduler and the model runner, one step at a time."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rollout_engine.request import FinishReason
-from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.protocol import SamplingParams
 
 
 @dataclass
@@ -54,33 +53,3 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[float]] | None = None
     """The fp32 logprob of each sampled token under the distribution sampled from."""
-
-
-@dataclass
-class CompletionOutput:
-    """One completion of a prompt."""
-
-    index: int
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason | None = None
-    text: str = ""
-    weight_version: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestOutput:
-    """All completions of one prompt; `outputs[j]` is sample j."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    prompt: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(o.finished for o in self.outputs)

@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator, Callable
 import torch
 
 from protos import rollout_pb2 as pb
-from rollout_engine.errors import InvalidRequestError, WeightUpdateError
-from rollout_engine.server_convert import weight_manifest_from_proto
-from rollout_engine.server_engine_loop import EngineLoop
-from rollout_engine.server_wire import RawChunk, stream_chunk_buffer
+from rollout_engine.protocol import InvalidRequestError, WeightUpdateError
+from rollout_engine.server.chunk_decoding import RawChunk, stream_chunk_buffer
+from rollout_engine.server.convert import weight_manifest_from_proto
+from rollout_engine.server.engine_loop import EngineLoop
 
 # Views of received bytes are only read (copied into the parameters), never written.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -182,10 +182,6 @@ class SharedBuffers:
         if kind == "cuda_ipc":
             return self._cuda_buffer(bucket.cuda_ipc)
         raise WeightUpdateError("a shared bucket needs `shm_name` or `cuda_ipc`")
-
-    @property
-    def has_cuda(self) -> bool:
-        return bool(self._cuda)
 
     def close(self) -> None:
         self._cuda.clear()

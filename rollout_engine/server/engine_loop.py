@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from rollout_engine.outputs import RequestOutput
-from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.protocol import (
+    EngineError,
+    EngineSleepingError,
+    RequestOutput,
+    SamplingParams,
+    SleepLevel,
+    StepFailedError,
+)
 
 if TYPE_CHECKING:
     from rollout_engine.llm_engine import LLMEngine
@@ -49,8 +57,21 @@ class OutputSink:
         return item
 
 
+@dataclass
+class _Drain:
+    """A Sleep(mode="wait") waiting for the prompts that were in flight when it came."""
+
+    level: SleepLevel
+    request_ids: set[str]
+    done: concurrent.futures.Future[int]
+
+
 class EngineLoop:
-    """Every engine call happens on this thread; handlers talk to it through `call`."""
+    """Every engine call happens on this thread; handlers talk to it through `call`.
+
+    A failed step ends the prompts it scheduled (`LLMEngine.step`); their calls get the
+    step's error as their status, and every other call goes on.
+    """
 
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
         self.engine = engine
@@ -59,6 +80,7 @@ class EngineLoop:
             queue.SimpleQueue()
         )
         self._sinks: dict[str, OutputSink] = {}
+        self._drains: list[_Drain] = []
         self._is_stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.num_requests_total = 0
@@ -93,10 +115,17 @@ class EngineLoop:
         """Fire and forget: safe from a cancelled handler's `finally`."""
         self.submit(lambda: self.engine.abort_request(request_ids))
 
-    async def call_dispatching(self, fn: Callable[..., list[RequestOutput]], *args: Any) -> int:
-        """Run an engine call that ends requests (sleep, release); their outputs reach the
-        waiting streams. Returns how many requests it ended."""
-        return await self.call(self._call_dispatching, fn, args)
+    async def call_ending_requests(self, fn: Callable[[], list[RequestOutput]]) -> int:
+        """Run an engine call that ends requests (sleep, release); their final outputs reach
+        the waiting streams. Returns how many prompts it ended."""
+        return await self.call(self._call_ending_requests, fn)
+
+    async def sleep_after_drain(self, level: SleepLevel) -> int:
+        """Sleep once every prompt in flight now has finished; steps go on meanwhile, and new
+        prompts are refused. Returns how many prompts were drained."""
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self.submit(lambda: self._begin_drain(level, done))
+        return await asyncio.wrap_future(done, loop=self._loop)
 
     def counters(self) -> dict[str, int]:
         return {
@@ -108,13 +137,17 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._is_stopping:
             self._run_commands(block=not self.engine.has_unfinished_requests())
-            if self._is_stopping or not self.engine.has_unfinished_requests():
-                continue
-            try:
-                self._dispatch(self.engine.step())
-            except Exception as exc:  # a failed step must not take the server down
-                logger.exception("engine step failed; aborting its requests")
-                self._fail_all(exc)
+            if not self._is_stopping and self.engine.has_unfinished_requests():
+                self._step()
+            self._finish_drains()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except BaseException as exc:  # noqa: BLE001 - a failed step must not take the server down
+            self._fail(exc)
+            return
+        self._dispatch(outputs)
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -138,6 +171,11 @@ class EngineLoop:
     def _add_requests(
         self, requests: list[tuple[str, str | list[int], SamplingParams]], sink: OutputSink
     ) -> None:
+        if self._drains:
+            raise EngineSleepingError(
+                "the engine is draining its requests to go to sleep (Sleep with mode 'wait'); "
+                "wake it up after the sleep, then generate"
+            )
         added: list[str] = []
         try:
             for request_id, prompt, sampling_params in requests:
@@ -150,10 +188,29 @@ class EngineLoop:
             self._sinks[request_id] = sink
         self.num_requests_total += len(added)
 
-    def _call_dispatching(self, fn: Callable[..., list[RequestOutput]], args: tuple) -> int:
-        outputs = fn(*args) or []
+    def _call_ending_requests(self, fn: Callable[[], list[RequestOutput]]) -> int:
+        outputs = fn() or []
         self._dispatch(outputs)
         return len(outputs)
+
+    def _begin_drain(self, level: SleepLevel, done: concurrent.futures.Future[int]) -> None:
+        self._drains.append(_Drain(level, set(self.engine.unfinished_request_ids), done))
+        self._finish_drains()
+
+    def _finish_drains(self) -> None:
+        """Sleep for every drain whose prompts have all finished."""
+        while self._drains:
+            drain = self._drains[0]
+            if drain.request_ids & set(self.engine.unfinished_request_ids):
+                return
+            self._drains.pop(0)
+            sleep = functools.partial(self.engine.sleep, drain.level, mode="abort")
+            try:
+                self._call_ending_requests(sleep)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                drain.done.set_exception(exc)
+            else:
+                drain.done.set_result(len(drain.request_ids))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand each output to its sink with one wake-up of the event loop per step."""
@@ -168,16 +225,27 @@ class EngineLoop:
         if deliveries:
             self._loop.call_soon_threadsafe(_deliver, deliveries)
 
-    def _fail_all(self, exc: Exception) -> None:
-        deliveries = [(sink, exc) for sink in self._sinks.values()]
-        request_ids = list(self._sinks)
-        self._sinks.clear()
-        try:
-            self.engine.abort_request(request_ids)
-        except Exception:
-            logger.exception("abort after a failed step failed too")
-        if deliveries:
-            self._loop.call_soon_threadsafe(_deliver, deliveries)
+    def _fail(self, exc: BaseException) -> None:
+        """Give a failed step's error to the calls of the prompts it ended.
+
+        The engine ended exactly those (`request_ids` on the error). Without that list the
+        failure came from outside the step's compute, so every prompt is ended.
+        """
+        request_ids = getattr(exc, "request_ids", None)
+        logger.error("engine step failed (%s: %s); ending %s prompts", type(exc).__name__, exc,
+                     "all" if request_ids is None else len(request_ids), exc_info=exc)
+        if request_ids is None:
+            request_ids = list(self._sinks)
+            try:
+                self.engine.abort_request(self.engine.unfinished_request_ids)
+            except Exception:
+                logger.exception("abort after a failed step failed too")
+        error = exc if isinstance(exc, EngineError) else StepFailedError(
+            f"a step failed and its prompts were ended: {type(exc).__name__}: {exc}"
+        )
+        sinks = {id(s): s for s in (self._sinks.pop(rid, None) for rid in request_ids) if s}
+        if sinks:
+            self._loop.call_soon_threadsafe(_deliver, [(s, error) for s in sinks.values()])
 
 
 def _deliver(deliveries: list[tuple[OutputSink, RequestOutput | BaseException]]) -> None:

@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from protos import rollout_pb2 as pb
-from rollout_engine.errors import InvalidRequestError
-from rollout_engine.outputs import CompletionOutput, RequestOutput
-from rollout_engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from rollout_engine.llm_engine import LLMEngine
-
-_OPTIONAL_SAMPLING_FIELDS = (
-    "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens",
-    "seed", "ignore_eos", "detokenize",
+from rollout_engine.protocol import (
+    CompletionOutput,
+    EngineInfo,
+    InvalidRequestError,
+    MemoryState,
+    RequestOutput,
+    SamplingParams,
 )
+from rollout_engine.wire_codec import from_message, to_message
+
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
@@ -48,11 +44,7 @@ def prompt_from_proto(prompt: pb.Prompt) -> str | list[int]:
 
 def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     """Unset fields take the engine's defaults; invalid values raise InvalidRequestError."""
-    kwargs: dict[str, Any] = {
-        name: getattr(message, name) for name in _OPTIONAL_SAMPLING_FIELDS if message.HasField(name)
-    }
-    kwargs["stop_token_ids"] = list(message.stop_token_ids)
-    return SamplingParams(**kwargs)
+    return from_message(message, SamplingParams)
 
 
 def batch_sampling_params(request: pb.GenerateBatchRequest) -> list[SamplingParams]:
@@ -87,14 +79,7 @@ def weight_manifest_from_proto(
 
 
 def completion_to_proto(completion: CompletionOutput) -> pb.CompletionOutput:
-    return pb.CompletionOutput(
-        index=completion.index,
-        token_ids=completion.token_ids,
-        logprobs=completion.logprobs,
-        finish_reason=completion.finish_reason or "",
-        text=completion.text,
-        weight_version=completion.weight_version,
-    )
+    return to_message(completion, pb.CompletionOutput())
 
 
 class GenerateStreamState:
@@ -175,46 +160,9 @@ def batch_responses(completions: list[pb.BatchCompletion]) -> Iterator[pb.Genera
 # -------------------------------------------------------------------------- introspection
 
 
-def info_to_proto(engine: LLMEngine, counters: dict[str, int]) -> pb.GetInfoResponse:
-    """Model, config and counters; runs on the engine thread."""
-    config = engine.config
-    kv_manager = engine.scheduler.kv_cache_manager
-    memory = engine.memory_state()
-    return pb.GetInfoResponse(
-        model=config.model_config.model,
-        architecture=(getattr(engine.hf_config, "architectures", None) or [""])[0],
-        vocab_size=engine.limits.vocab_size,
-        max_model_len=engine.limits.max_model_len,
-        dtype=str(engine.dtype).removeprefix("torch."),
-        device=str(engine.device),
-        weight_version=engine.weight_version,
-        config_json=json.dumps(dataclasses.asdict(config), default=str, sort_keys=True),
-        num_blocks=kv_manager.num_blocks,
-        num_free_blocks=kv_manager.num_free_blocks,
-        block_size=config.cache_config.block_size,
-        eos_token_ids=list(engine.limits.eos_token_ids),
-        is_sleeping=memory.is_sleeping,
-        weights_valid=memory.weights_valid,
-        engine_stats={k: float(v) for k, v in engine.stats().items()},
-        **counters,
-    )
+def info_to_proto(info: EngineInfo) -> pb.GetInfoResponse:
+    return to_message(info, pb.GetInfoResponse())
 
 
-def memory_state_to_proto(engine: LLMEngine) -> pb.GetMemoryStateResponse:
-    state = engine.memory_state()
-    message = pb.GetMemoryStateResponse(
-        is_sleeping=bool(state.is_sleeping),
-        weights_valid=bool(state.weights_valid),
-        process_rss_bytes=int(state.process_rss_bytes or 0),
-    )
-    for tag, tag_state in state.tags.items():
-        message.tags[tag].state = str(getattr(tag_state.state, "value", tag_state.state))
-        message.tags[tag].mapped = bool(tag_state.mapped)
-        message.tags[tag].num_bytes = int(tag_state.bytes)
-    for tag, num_bytes in (state.pool_bytes or {}).items():
-        message.pool_bytes[tag] = int(num_bytes)
-    for key, value in (state.device_memory or {}).items():
-        if isinstance(value, int | float):
-            message.device_memory[key] = int(value)
-    return message
-
+def memory_state_to_proto(state: MemoryState) -> pb.GetMemoryStateResponse:
+    return to_message(state, pb.GetMemoryStateResponse())

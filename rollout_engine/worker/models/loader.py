@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from rollout_engine.errors import ModelLoadError
-from rollout_engine.models.decoder import ARCHITECTURES, DecoderForCausalLM
+from rollout_engine.protocol import ModelLoadError
+from rollout_engine.worker.models.decoder import ARCHITECTURES, DecoderForCausalLM
 
 # Allocates a parameter's storage: (shape, dtype) -> tensor. The memory manager passes
 # one that carves views out of its weights pool.

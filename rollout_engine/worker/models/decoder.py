@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kernels import AttentionMetadata, paged_attention, store_kv_cache
-from rollout_engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from rollout_engine.worker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 
 
 @dataclass(frozen=True)

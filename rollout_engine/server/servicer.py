@@ -1,0 +1,134 @@
+"""The RolloutEngine servicer: turns calls into engine-thread commands; holds no engine state."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from protos import rollout_pb2 as pb
+from protos import rollout_pb2_grpc as pb_grpc
+from rollout_engine.protocol import InvalidRequestError, SleepLevel, check_sleep_mode
+from rollout_engine.server import convert
+from rollout_engine.server.admission import Admission
+from rollout_engine.server.engine_loop import EngineLoop, OutputSink
+from rollout_engine.server.status import streaming, unary
+from rollout_engine.server.weights import WeightUpdateReceiver
+
+if TYPE_CHECKING:
+    from rollout_engine.config import ServerConfig
+
+
+class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
+    """Every engine call runs on the engine thread (`EngineLoop`); errors become statuses in
+    `status`."""
+
+    def __init__(self, engine_loop: EngineLoop, config: ServerConfig) -> None:
+        self.engine_loop = engine_loop
+        self.engine = engine_loop.engine
+        self.admission = Admission(config.max_inflight_requests)
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------------ generation
+    @streaming
+    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[Any]:
+        prompt = convert.prompt_from_proto(request.prompt)
+        params = convert.sampling_params_from_proto(request.sampling_params)
+        stream_deltas = request.stream_deltas if request.HasField("stream_deltas") else True
+        state = convert.GenerateStreamState(stream_deltas)
+        request_id = f"gen-{next(self._ids)}"
+        sink = OutputSink(finals_only=not stream_deltas)
+        async with self.admission.admit(1):
+            finished = False
+            try:
+                # Inside the try: a call cancelled while the add runs still aborts it.
+                await self.engine_loop.add_requests([(request_id, prompt, params)], sink)
+                while not finished:
+                    output = await sink.get()
+                    finished = output.finished
+                    message = state.response(output)
+                    if message is not None:
+                        yield message
+            finally:
+                if not finished:  # cancelled, deadline passed, failed, or the stream broke
+                    self.engine_loop.abort([request_id])
+
+    @streaming
+    async def GenerateBatch(self, request: pb.GenerateBatchRequest, context) -> AsyncIterator[Any]:
+        if not request.prompts:
+            raise InvalidRequestError("GenerateBatch needs at least one prompt")
+        prompts = [convert.prompt_from_proto(p) for p in request.prompts]
+        params = convert.batch_sampling_params(request)
+        base_id = f"batch-{next(self._ids)}"
+        request_ids = [f"{base_id}:{i}" for i in range(len(prompts))]
+        state = convert.BatchStreamState(request_ids)
+        sink = OutputSink(finals_only=True)
+        async with self.admission.admit(len(prompts)):
+            pending = set(request_ids)
+            try:
+                await self.engine_loop.add_requests(list(zip(request_ids, prompts, params)), sink)
+                while pending:
+                    output = await sink.get()
+                    if output.finished:
+                        pending.discard(output.request_id)
+                    for message in convert.batch_responses(state.new_completions(output)):
+                        yield message
+            finally:
+                if pending:
+                    self.engine_loop.abort(sorted(pending))
+
+    # ---------------------------------------------------------------------- memory control
+    @unary
+    async def Sleep(self, request: pb.SleepRequest, context) -> pb.SleepResponse:
+        level = SleepLevel.parse(request.level or SleepLevel.OFFLOAD_WEIGHTS)
+        mode = check_sleep_mode(request.mode or "abort")
+        if mode == "wait":
+            num_drained = await self.engine_loop.sleep_after_drain(level)
+            return pb.SleepResponse(num_drained_requests=num_drained)
+        sleep = functools.partial(self.engine.sleep, level=level, mode="abort")
+        num_aborted = await self.engine_loop.call_ending_requests(sleep)
+        return pb.SleepResponse(num_aborted_requests=num_aborted)
+
+    @unary
+    async def WakeUp(self, request: pb.WakeUpRequest, context) -> pb.WakeUpResponse:
+        tags = list(request.tags) or None
+        await self.engine_loop.call(functools.partial(self.engine.wake_up, tags=tags))
+        return pb.WakeUpResponse()
+
+    @unary
+    async def ReleaseKVCache(self, request, context) -> pb.ReleaseKVCacheResponse:
+        release = self.engine.release_kv_cache_memory
+        num_aborted = await self.engine_loop.call_ending_requests(release)
+        return pb.ReleaseKVCacheResponse(num_aborted_requests=num_aborted)
+
+    @unary
+    async def ResetPrefixCache(self, request, context) -> pb.ResetPrefixCacheResponse:
+        await self.engine_loop.call(self.engine.reset_prefix_cache)
+        return pb.ResetPrefixCacheResponse()
+
+    # ---------------------------------------------------------------------- weight updates
+    @streaming
+    async def UpdateWeights(self, request_iterator, context) -> AsyncIterator[Any]:
+        # A second update supersedes an open one: the engine aborts the older session, whose
+        # next write then fails, so two streams can never interleave writes.
+        async for message in WeightUpdateReceiver(self.engine_loop).run(request_iterator):
+            yield message
+
+    # ----------------------------------------------------------------------- introspection
+    @unary
+    async def GetInfo(self, request, context) -> pb.GetInfoResponse:
+        info = await self.engine_loop.call(self.engine.info)
+        info = dataclasses.replace(
+            info,
+            **self.engine_loop.counters(),
+            num_inflight_requests=self.admission.num_inflight_requests,
+            max_inflight_requests=self.admission.max_inflight_requests,
+        )
+        return convert.info_to_proto(info)
+
+    @unary
+    async def GetMemoryState(self, request, context) -> pb.GetMemoryStateResponse:
+        state = await self.engine_loop.call(self.engine.memory_state)
+        return convert.memory_state_to_proto(state)

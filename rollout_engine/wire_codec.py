@@ -1,0 +1,76 @@
+"""The protocol dataclasses to and from their protobuf messages, field by field, by name.
+
+No generated stubs are imported here: messages are passed in and read through their
+descriptor, so the server and `trainer_bridge` share one codec and neither mirrors a type.
+The rules: an unset proto3 `optional` scalar is the dataclass default (None for optional
+fields), repeated fields are lists, maps are dicts, and nested messages are dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def to_message(obj: Any, message: Any) -> Any:
+    """Fill `message` (a protobuf message) from dataclass `obj`; returns `message`."""
+    fields = message.DESCRIPTOR.fields_by_name
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        descriptor = fields[field.name]
+        if value is None:
+            continue  # unset: the receiver takes its default
+        target = getattr(message, field.name) if descriptor.is_repeated else None
+        if _is_map(descriptor):
+            for key, item in value.items():
+                if dataclasses.is_dataclass(item):
+                    to_message(item, target[key])
+                else:
+                    target[key] = item
+        elif descriptor.is_repeated:
+            target.extend(value)
+        elif descriptor.message_type is not None:
+            to_message(value, getattr(message, field.name))
+        else:
+            setattr(message, field.name, value)
+    return message
+
+
+def from_message(message: Any, cls: type[T]) -> T:
+    """A `cls` (a protocol dataclass) from a protobuf message; `cls` validates the values."""
+    fields = message.DESCRIPTOR.fields_by_name
+    hints = _type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        descriptor = fields[field.name]
+        if _is_optional_scalar(descriptor) and not message.HasField(field.name):
+            continue
+        value = getattr(message, field.name)
+        if _is_map(descriptor):
+            item_cls = typing.get_args(hints[field.name])[1]
+            is_nested = dataclasses.is_dataclass(item_cls)
+            value = {k: from_message(v, item_cls) if is_nested else v for k, v in value.items()}
+        elif descriptor.is_repeated:
+            value = list(value)
+        elif descriptor.message_type is not None:
+            value = from_message(value, hints[field.name])
+        kwargs[field.name] = value
+    return cls(**kwargs)
+
+
+def _is_map(descriptor: Any) -> bool:
+    message_type = descriptor.message_type
+    return message_type is not None and message_type.GetOptions().map_entry
+
+
+def _is_optional_scalar(descriptor: Any) -> bool:
+    return descriptor.has_presence and descriptor.message_type is None
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)

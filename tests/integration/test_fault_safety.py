@@ -1,0 +1,116 @@
+"""A step whose forward raises (a CUDA OOM, Ctrl-C) leaves nothing behind that a later request
+could read: retries match the Hugging Face oracle, sleep and weight updates still work, and no
+KV block leaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from safetensors.torch import load_file
+
+from rollout_engine import LLM, DeviceOutOfMemoryError, SamplingParams, StepFailedError
+from rollout_engine.worker.fault_injection import FaultInjector
+from tests.integration.hf_oracle import hf_greedy_batch
+
+MAX_NEW_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+# A 16-token budget chunks the 22..30-token prompts; 4-token blocks give many cached blocks.
+ENGINE_OPTIONS = dict(
+    block_size=4, max_num_batched_tokens=16, num_speculative_tokens=3, max_model_len=256
+)
+FAULTS = {"oom": DeviceOutOfMemoryError, "interrupt": KeyboardInterrupt,
+          "runtime": StepFailedError}
+
+
+def make_prompts(seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Repetitive prompts (so drafting kicks in), and prompts sharing their first 16 tokens."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(3):
+        span = [rng.randrange(3, 500) for _ in range(8)]
+        prompts.append(span + [rng.randrange(3, 500) for _ in range(rng.randint(6, 14))] + span)
+    sharing = [p[:16] + [rng.randrange(3, 500) for _ in range(5)] for p in prompts]
+    return prompts, sharing
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), **ENGINE_OPTIONS)
+
+
+def inject(llm: LLM, **fault) -> FaultInjector:
+    injector = FaultInjector(**fault)
+    llm.engine.worker.model_runner.set_fault_injector(injector)
+    return injector
+
+
+def greedy_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("error", ["oom", "interrupt"])
+@pytest.mark.parametrize("when", ["prefill", "chunked_prefill", "spec_decode"])
+def test_a_failed_step_leaves_no_trace(llm, llama_dir, when, error):
+    prompts, sharing = make_prompts(seed=len(when) * 10 + len(error))
+    oracle = hf_greedy_batch(str(llama_dir), prompts + sharing, MAX_NEW_TOKENS)
+    injector = inject(llm, when=when, error=error)
+    try:
+        with pytest.raises(FAULTS[error]) as failure:
+            llm.generate(prompts, GREEDY)
+    finally:
+        llm.engine.worker.model_runner.set_fault_injector(None)
+    assert injector.num_raised == 1
+    assert failure.value.request_ids, "the error names the prompts it ended"
+    # generate() aborted its own requests; every block is free again.
+    assert not llm.engine.has_unfinished_requests()
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    # A retry, and prompts sharing the prefix, read no half-written KV from the prefix cache.
+    assert greedy_tokens(llm, prompts + sharing) == oracle
+    # sleep(mode="wait") drains and returns; a full weight update is accepted.
+    llm.engine.add_request("drained", prompts[0], GREEDY)
+    drained = llm.sleep(level=2, mode="wait")
+    assert [o.outputs[0].token_ids for o in drained] == [oracle[0]]
+    llm.wake_up()
+    version = llm.update_weights(load_file(str(llama_dir / "model.safetensors")))
+    assert version == llm.weight_version >= 1
+    assert greedy_tokens(llm, sharing) == oracle[len(prompts):]
+    assert llm.stats()["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_only_the_failed_steps_prompts_end(llama_dir):
+    """A prompt still waiting when a step fails is not touched by the failure."""
+    prompts, _ = make_prompts(seed=7)
+    oracle = hf_greedy_batch(str(llama_dir), prompts, MAX_NEW_TOKENS)
+    llm = LLM(str(llama_dir), block_size=4, max_num_batched_tokens=16)
+    engine = llm.engine
+    inject(llm, when="prefill", error="runtime")
+    engine.add_request("first", prompts[0], GREEDY)  # 22+ tokens: the whole 16-token budget
+    engine.add_request("second", prompts[1], GREEDY)
+    with pytest.raises(StepFailedError, match="injected fault") as failure:
+        engine.step()
+    assert failure.value.request_ids == ["first"]
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert outputs["first"].outputs[0].finish_reason == "abort"
+    assert outputs["second"].outputs[0].token_ids == oracle[1]
+
+
+def test_a_refused_step_on_released_memory_ends_its_prompts(llm):
+    """Generating on a released KV cache is refused up front; were a step to run anyway, it
+    ends its prompts with the same typed error instead of reading released memory."""
+    prompts, _ = make_prompts(seed=3)
+    llm.engine.add_request("late", prompts[0], GREEDY)
+    llm.engine.worker.release_kv_cache()  # behind the engine's back: only the worker knows
+    try:
+        with pytest.raises(Exception, match="kv_cache") as failure:
+            llm.engine.step()
+        assert failure.value.request_ids == ["late"]
+    finally:
+        llm.wake_up(["kv_cache"])
+        llm.reset_prefix_cache()
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
