@@ -201,13 +201,19 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     net.add_argument("--allow-insecure-remote", action="store_true",
                      help="allow a non-loopback --host without --auth-token")
     net.add_argument("--max-inflight-requests", type=int, default=4096,
-                     help="prompts in flight at once; more get RESOURCE_EXHAUSTED "
-                     "(default: %(default)s)")
+                     help="samples (prompts x n) in flight at once; more get "
+                     "RESOURCE_EXHAUSTED (default: %(default)s)")
+    net.add_argument("--max-n", type=int, default=1024,
+                     help="largest n (samples per prompt) a call may ask for; more get "
+                     "INVALID_ARGUMENT (default: %(default)s)")
     net.add_argument("--max-message-bytes", type=_parse_bytes, default=DEFAULT_MAX_MESSAGE_BYTES,
                      help="largest gRPC message either way (default: 64MiB)")
     net.add_argument("--shutdown-grace-s", type=float, default=10.0,
                      help="on SIGTERM, seconds in-flight calls get before they are aborted "
                      "(default: %(default)s)")
+    net.add_argument("--engine-stall-s", type=float, default=60.0,
+                     help="health reports NOT_SERVING while one engine step or command has run "
+                     "this long (default: %(default)s)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                         default="auto", help="(default: %(default)s)")
@@ -254,10 +260,12 @@ def _run_serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             max_inflight_requests=args.max_inflight_requests,
+            max_n=args.max_n,
             auth_token=args.auth_token or None,
             allow_insecure_remote=args.allow_insecure_remote,
             max_message_bytes=args.max_message_bytes,
             shutdown_grace_s=args.shutdown_grace_s,
+            engine_stall_s=args.engine_stall_s,
         )
         engine_config = EngineConfig.from_kwargs(args.model, **options)
     except ValueError as exc:

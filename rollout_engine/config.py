@@ -134,7 +134,9 @@ class ServerConfig:
     port: int = 50051
     """TCP port; 0 picks a free one (the ready line says which)."""
     max_inflight_requests: int = 4096
-    """Prompts admitted at once across all calls; more get RESOURCE_EXHAUSTED."""
+    """Samples (prompts x n) admitted at once across all calls; more get RESOURCE_EXHAUSTED."""
+    max_n: int = 1024
+    """Largest `n` (samples per prompt) a call may ask for; more get INVALID_ARGUMENT."""
     auth_token: str | None = None
     """If set, every call but the health check needs `authorization: Bearer <token>`."""
     allow_insecure_remote: bool = False
@@ -143,12 +145,16 @@ class ServerConfig:
     """Largest gRPC message either way."""
     shutdown_grace_s: float = 10.0
     """On SIGTERM, in-flight calls get this long to finish before they are aborted."""
+    engine_stall_s: float = 60.0
+    """Health says NOT_SERVING while one engine step or command has run this long."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
         _require(self.max_inflight_requests >= 1, "max_inflight_requests must be >= 1")
+        _require(self.max_n >= 1, "max_n must be >= 1")
         _require(self.max_message_bytes >= 1024 * 1024, "max_message_bytes must be at least 1 MiB")
         _require(self.shutdown_grace_s >= 0, "shutdown_grace_s must be >= 0")
+        _require(self.engine_stall_s > 0, "engine_stall_s must be > 0")
         _require(
             is_loopback_host(self.host) or bool(self.auth_token) or self.allow_insecure_remote,
             f"refusing to bind {self.host!r} without --auth-token: anyone who can reach it "

@@ -243,6 +243,7 @@ class Scheduler:
                 needs_sample=start + num_new >= request.num_tokens,
                 sampling_params=request.sampling_params,
                 sample_index=request.sample_index,
+                num_output_tokens=request.num_output_tokens,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
             )

@@ -24,6 +24,8 @@ class ScheduledRequest:
     """True when the input reaches the last committed token, so the step yields tokens."""
     sampling_params: SamplingParams
     sample_index: int = 0
+    num_output_tokens: int = 0
+    """Committed output tokens: the output index of the first token this step samples."""
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     """References to the request's lists (read-only for the runner), for penalties."""

@@ -1,20 +1,35 @@
-"""Admission: how much work the server holds at once, and refusing what is past the limit."""
+"""Admission: how much work the server holds at once, and refusing what is past the limit.
+
+Work is counted in samples (prompts x n), each of which the engine runs as one sequence
+with its own KV blocks, and checked before the engine builds anything: a small message with
+a huge `n` is refused at once, never expanded on the engine thread.
+"""
 
 from __future__ import annotations
 
-from rollout_engine.protocol import AdmissionError
+from collections.abc import Sequence
+
+from rollout_engine.protocol import AdmissionError, InvalidRequestError, SamplingParams
 
 
 class Admission:
-    """Counts prompts in flight across all calls; refuses those past `max_inflight_requests`."""
+    """Counts samples in flight across all calls; refuses those past `max_inflight_requests`."""
 
-    def __init__(self, max_inflight_requests: int) -> None:
+    def __init__(self, max_inflight_requests: int, max_n: int) -> None:
         self.max_inflight_requests = max_inflight_requests
+        self.max_n = max_n
         self.num_inflight_requests = 0
 
-    def admit(self, num_requests: int) -> _Admitted:
-        """`async with admission.admit(n):` holds `n` units for the call's lifetime."""
-        return _Admitted(self, num_requests)
+    def admit(self, params: Sequence[SamplingParams]) -> _Admitted:
+        """`async with admission.admit(params):` holds one unit per sample of these prompts
+        (one SamplingParams per prompt) for the call's lifetime."""
+        for p in params:
+            if p.n > self.max_n:
+                raise InvalidRequestError(
+                    f"n={p.n} samples per prompt exceeds this server's limit of {self.max_n}; "
+                    "ask for fewer, or start the server with a larger --max-n"
+                )
+        return _Admitted(self, sum(p.n for p in params))
 
 
 class _Admitted:
@@ -25,7 +40,7 @@ class _Admitted:
         admission, limit = self._admission, self._admission.max_inflight_requests
         if admission.num_inflight_requests + self._num_requests > limit:
             raise AdmissionError(
-                f"the server is at its limit of {limit} in-flight requests "
+                f"the server is at its limit of {limit} in-flight requests (samples) "
                 f"({admission.num_inflight_requests} running, {self._num_requests} asked); "
                 "retry later or start the server with a larger --max-inflight-requests"
             )

@@ -18,12 +18,14 @@ from rollout_engine.server.auth import BearerTokenInterceptor
 from rollout_engine.server.chunk_decoding import decode_update_request
 from rollout_engine.server.engine_loop import EngineLoop
 from rollout_engine.server.servicer import RolloutEngineServicer
+from rollout_engine.server.status import safe_deserializer
 
 if TYPE_CHECKING:
     from rollout_engine.config import ServerConfig
     from rollout_engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+_HEALTH_INTERVAL_S = 0.2
 
 _HANDLER_FACTORIES = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -35,7 +37,7 @@ _HANDLER_FACTORIES = {
 
 def add_rollout_service(servicer: RolloutEngineServicer, server) -> None:
     """Register the service from its descriptor, as the generated `add_..._to_server` does,
-    but with UpdateWeights' chunk-aware request deserializer."""
+    but with UpdateWeights' chunk-aware request deserializer, and every deserializer safe."""
     service = pb.DESCRIPTOR.services_by_name["RolloutEngine"]
     assert service.full_name == SERVICE_NAME, (service.full_name, SERVICE_NAME)
     handlers = {}
@@ -43,11 +45,10 @@ def add_rollout_service(servicer: RolloutEngineServicer, server) -> None:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
         make_handler = _HANDLER_FACTORIES[(method.client_streaming, method.server_streaming)]
+        decode = decode_update_request if method.name == "UpdateWeights" else request_cls.FromString
         handlers[method.name] = make_handler(
             getattr(servicer, method.name),
-            request_deserializer=(
-                decode_update_request if method.name == "UpdateWeights" else request_cls.FromString
-            ),
+            request_deserializer=safe_deserializer(decode, method.input_type.name),
             response_serializer=response_cls.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
@@ -87,6 +88,7 @@ async def serve(engine: LLMEngine, config: ServerConfig, model_name: str = "") -
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    health_task = asyncio.create_task(report_health(engine_loop, health_servicer, config))
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
@@ -95,9 +97,28 @@ async def serve(engine: LLMEngine, config: ServerConfig, model_name: str = "") -
     await stop.wait()
     logger.warning("shutting down: draining in-flight calls for up to %.1f s",
                    config.shutdown_grace_s)
+    health_task.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.shutdown_grace_s)
     engine_loop.stop()
+
+
+async def report_health(engine_loop: EngineLoop, health_servicer, config: ServerConfig) -> None:
+    """Keep the health status (of "" and of the RolloutEngine service) true: NOT_SERVING while
+    the engine thread is dead or one step or command has run for `engine_stall_s`, SERVING
+    again once it is responsive."""
+    status = health_pb2.HealthCheckResponse.SERVING  # as serve() set it
+    while True:
+        is_serving = engine_loop.is_responsive(config.engine_stall_s)
+        new_status = (health_pb2.HealthCheckResponse.SERVING if is_serving
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+        if new_status != status:
+            logger.warning("health: %s", health_pb2.HealthCheckResponse.ServingStatus.Name(
+                new_status))
+            for service in ("", SERVICE_NAME):
+                await health_servicer.set(service, new_status)
+            status = new_status
+        await asyncio.sleep(_HEALTH_INTERVAL_S)
 
 
 def run_server(engine: LLMEngine, config: ServerConfig, model_name: str = "") -> int:

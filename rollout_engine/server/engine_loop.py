@@ -8,6 +8,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from rollout_engine.protocol import (
     EngineError,
     EngineSleepingError,
+    InternalError,
     RequestOutput,
     SamplingParams,
     SleepLevel,
@@ -82,7 +84,9 @@ class EngineLoop:
         self._sinks: dict[str, OutputSink] = {}
         self._drains: list[_Drain] = []
         self._is_stopping = False
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._crash: BaseException | None = None
+        self._busy_since_s: float | None = None  # monotonic start of the running step/command
+        self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
         self.num_requests_total = 0
         self.num_generated_tokens_total = 0
 
@@ -99,7 +103,16 @@ class EngineLoop:
         """Run `fn()` on the engine thread before its next step."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._commands.put((fn, future))
+        if self._crash is not None:
+            self._fail_commands()  # nobody else will: the thread is gone
         return future
+
+    def is_responsive(self, stall_s: float) -> bool:
+        """The engine thread is alive and no step or command has run for `stall_s` or more."""
+        if self._crash is not None or not self._thread.is_alive():
+            return False
+        busy_since_s = self._busy_since_s
+        return busy_since_s is None or time.monotonic() - busy_since_s < stall_s
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Await `fn(*args)` run on the engine thread; its exception is raised here."""
@@ -134,6 +147,21 @@ class EngineLoop:
         }
 
     # ------------------------------------------------------------------ on the engine thread
+    def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - a bug in the loop itself
+            logger.critical("the engine thread crashed; every call now fails", exc_info=exc)
+            self._crash = exc
+            error = InternalError(f"the engine thread crashed: {type(exc).__name__}: {exc}")
+            sinks = {id(s): s for s in self._sinks.values()}
+            self._sinks.clear()
+            if sinks:
+                self._loop.call_soon_threadsafe(_deliver, [(s, error) for s in sinks.values()])
+            for drain in self._drains:
+                drain.done.set_exception(error)
+            self._fail_commands()
+
     def _run(self) -> None:
         while not self._is_stopping:
             self._run_commands(block=not self.engine.has_unfinished_requests())
@@ -142,11 +170,14 @@ class EngineLoop:
             self._finish_drains()
 
     def _step(self) -> None:
+        self._busy_since_s = time.monotonic()
         try:
             outputs = self.engine.step()
         except BaseException as exc:  # noqa: BLE001 - a failed step must not take the server down
             self._fail(exc)
             return
+        finally:
+            self._busy_since_s = None
         self._dispatch(outputs)
 
     def _run_commands(self, block: bool) -> None:
@@ -156,14 +187,28 @@ class EngineLoop:
             return
         while True:
             if future.set_running_or_notify_cancel():
+                self._busy_since_s = time.monotonic()
                 try:
                     future.set_result(fn())
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
                     future.set_exception(exc)
+                finally:
+                    self._busy_since_s = None
             try:
                 fn, future = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _fail_commands(self) -> None:
+        """After a crash: every queued command fails instead of waiting forever."""
+        error = InternalError(f"the engine thread crashed: {self._crash!r}")
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
 
     def _request_stop(self) -> None:
         self._is_stopping = True

@@ -28,7 +28,7 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
     def __init__(self, engine_loop: EngineLoop, config: ServerConfig) -> None:
         self.engine_loop = engine_loop
         self.engine = engine_loop.engine
-        self.admission = Admission(config.max_inflight_requests)
+        self.admission = Admission(config.max_inflight_requests, config.max_n)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------------ generation
@@ -40,7 +40,7 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
         state = convert.GenerateStreamState(stream_deltas)
         request_id = f"gen-{next(self._ids)}"
         sink = OutputSink(finals_only=not stream_deltas)
-        async with self.admission.admit(1):
+        async with self.admission.admit([params]):
             finished = False
             try:
                 # Inside the try: a call cancelled while the add runs still aborts it.
@@ -65,7 +65,7 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
         request_ids = [f"{base_id}:{i}" for i in range(len(prompts))]
         state = convert.BatchStreamState(request_ids)
         sink = OutputSink(finals_only=True)
-        async with self.admission.admit(len(prompts)):
+        async with self.admission.admit(params):
             pending = set(request_ids)
             try:
                 await self.engine_loop.add_requests(list(zip(request_ids, prompts, params)), sink)

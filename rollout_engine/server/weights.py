@@ -17,6 +17,7 @@ from rollout_engine.protocol import InvalidRequestError, WeightUpdateError
 from rollout_engine.server.chunk_decoding import RawChunk, stream_chunk_buffer
 from rollout_engine.server.convert import weight_manifest_from_proto
 from rollout_engine.server.engine_loop import EngineLoop
+from rollout_engine.server.status import check_decoded
 
 # Views of received bytes are only read (copied into the parameters), never written.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -37,7 +38,7 @@ class WeightUpdateReceiver:
 
     async def run(self, request_iterator) -> AsyncIterator[pb.UpdateWeightsResponse]:
         messages = request_iterator.__aiter__()
-        first = await anext(messages, None)
+        first = check_decoded(await anext(messages, None))
         if not isinstance(first, pb.UpdateWeightsRequest) or first.WhichOneof("kind") != "manifest":
             raise InvalidRequestError("UpdateWeights must start with a manifest message")
         manifest = weight_manifest_from_proto(first.manifest)
@@ -69,6 +70,7 @@ class WeightUpdateReceiver:
                 self.engine_loop.submit(session.abort)
 
     async def _handle(self, message) -> pb.UpdateWeightsResponse | None:
+        check_decoded(message)
         kind = "chunk" if isinstance(message, RawChunk) else message.WhichOneof("kind")
         if kind == "chunk":
             # Received while the previous chunk is still being written.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,7 +23,7 @@ from rollout_engine.core.scheduler_output import ScheduledRequest, SchedulerOutp
 FAULT_INJECTION_ENV = "ROLLOUT_ENGINE_FAULT_INJECTION"
 
 Phase = Literal["any", "prefill", "chunked_prefill", "decode", "spec_decode"]
-ErrorKind = Literal["oom", "interrupt", "runtime"]
+ErrorKind = Literal["oom", "interrupt", "runtime", "hang"]
 
 
 class InjectedFault(RuntimeError):
@@ -37,7 +38,9 @@ class FaultInjector:
     """Which steps: any; with a prompt chunk; with a later chunk of a chunked prompt;
     with a decoding request; with a request verifying drafts."""
     error: ErrorKind = "oom"
-    """"oom": a RuntimeError worded as CUDA's out-of-memory; "interrupt": KeyboardInterrupt."""
+    """"oom": a RuntimeError worded as CUDA's out-of-memory; "interrupt": KeyboardInterrupt;
+    "runtime": InjectedFault; "hang": no error, the forward stalls for `hang_s`."""
+    hang_s: float = 0.0
     skip: int = 0
     """Matching steps to let through before the first fault."""
     times: int = 1
@@ -74,6 +77,9 @@ class FaultInjector:
             return
         self._armed = False
         self.num_raised += 1
+        if self.error == "hang":
+            time.sleep(self.hang_s)
+            return
         if self.error == "interrupt":
             raise KeyboardInterrupt("injected fault")
         if self.error == "oom":

@@ -12,7 +12,7 @@ from rollout_engine.core.scheduler_output import (
 )
 from rollout_engine.worker.fault_injection import FaultInjector
 from rollout_engine.worker.models.decoder import DecoderForCausalLM
-from rollout_engine.worker.sampler import Sampler, SamplingRow, make_request_generator
+from rollout_engine.worker.sampler import Sampler, SamplingRow, request_stream_seed
 
 
 class ModelRunner:
@@ -26,7 +26,6 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv_caches.device
         self.sampler = Sampler(seed=seed)
-        self._generators: dict[str, torch.Generator] = {}
         self.fault_injector: FaultInjector | None = None
         self._fault_hook: torch.utils.hooks.RemovableHandle | None = None
         self.set_fault_injector(FaultInjector.from_env())
@@ -42,8 +41,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        for request_id in scheduler_output.finished_request_ids:
-            self._generators.pop(request_id, None)
         scheduled = scheduler_output.scheduled_requests
         if not scheduled:
             return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
@@ -105,19 +102,11 @@ class ModelRunner:
         if params.repetition_penalty != 1.0:
             history = req.prompt_token_ids + req.output_token_ids
         drafts = req.input_token_ids[len(req.input_token_ids) - req.num_spec_tokens :]
+        seed = params.seed
         return SamplingRow(
             params=params,
-            generator=self._generator(req),
+            stream_seed=None if seed is None else request_stream_seed(seed, req.sample_index),
             token_history=history,
             draft_token_ids=drafts if req.num_spec_tokens else [],
+            first_output_index=req.num_output_tokens,
         )
-
-    def _generator(self, req: ScheduledRequest) -> torch.Generator | None:
-        seed = req.sampling_params.seed
-        if seed is None or req.sampling_params.is_greedy:
-            return None
-        generator = self._generators.get(req.request_id)
-        if generator is None:
-            generator = make_request_generator(seed, req.sample_index)
-            self._generators[req.request_id] = generator
-        return generator

@@ -1,4 +1,4 @@
-"""Draft verification: greedy acceptance, and exact rejection sampling of point-mass drafts."""
+"""Draft verification: greedy acceptance, and exact speculative sampling of point-mass drafts."""
 
 from __future__ import annotations
 
@@ -70,101 +70,34 @@ def greedy_verify(logits: torch.Tensor, drafts: list[list[int]]) -> list[SampleR
 
 
 def rejection_sample(
-    logprobs: torch.Tensor,
-    drafts: list[list[int]],
-    draft_uniforms: list[torch.Tensor],
-    token_uniforms: torch.Tensor,
+    logprobs: torch.Tensor, drafts: list[list[int]], uniforms: torch.Tensor
 ) -> list[SampleResult]:
-    """Speculative sampling with point-mass (n-gram) drafts, then one token from the target.
+    """Speculative sampling of point-mass (n-gram) drafts, coupled to plain decoding.
 
     logprobs: [S, V], the processed (filtered, tempered) target distribution; row i owns
-    len(drafts[i]) + 1 consecutive positions. draft_uniforms[i]: [len(drafts[i])];
-    token_uniforms: [num_rows].
+    len(drafts[i]) + 1 consecutive positions. uniforms: [S], one per position.
 
-    Draft d at position j is a point mass q_j = delta_d, so the usual rule
-        accept with probability min(1, p_j(d) / q_j(d)) = p_j(d)    (u ~ U(0,1), u < p_j(d))
-        on rejection sample from norm(max(p_j - q_j, 0))  =  p_j with p_j[d] = 0, renormalised
-    gives P(token = d) = p_j(d) and P(token = x != d) = (1 - p_j(d)) p_j(x) / (1 - p_j(d)),
-    i.e. exactly p_j. All drafts accepted: a bonus token from p_k. Reported logprobs are
-    log p_j(token) under the target, also for a token drawn from the residual.
+    Every position j draws its token x_j = inverse-CDF(p_j, u_j), and drafts are accepted
+    while x_j == d_j; the row returns x_0 .. x_a, a being the first mismatch (or the bonus
+    position). A draft d is a point mass q = delta_d, so the usual rule accepts it with
+    probability min(1, p(d) / q(d)) = p(d) = P(x_j == d): the same acceptance rate, and every
+    returned token is distributed exactly as p_j. Drawing x_j from position j's own uniform
+    makes the tokens identical to those of decoding without drafts. Reported logprobs are
+    log p_j(x_j) under the target.
     """
-    starts, cursor = [], 0  # each row's first position within `logprobs`
-    for row_drafts in drafts:
-        starts.append(cursor)
-        cursor += len(row_drafts) + 1
-    num_accepted = _verify_drafts(logprobs, drafts, starts, draft_uniforms)
-
-    final_positions, rejected_rows, rejected_ids = [], [], []
-    for r, row_drafts in enumerate(drafts):
-        final_positions.append(starts[r] + num_accepted[r])
-        if num_accepted[r] < len(row_drafts):
-            rejected_rows.append(r)
-            rejected_ids.append(row_drafts[num_accepted[r]])
-    device = logprobs.device
-    probs = select_rows(logprobs, final_positions).exp()  # [R, V]
-    rejected = (
-        torch.tensor(rejected_rows, dtype=torch.long, device=device),
-        torch.tensor(rejected_ids, dtype=torch.long, device=device),
-    )
-    probs[rejected] = 0.0  # the residual p_j with p_j[d] = 0
-    token_ids = _inverse_cdf_sample(probs, token_uniforms.to(device))  # [R]
-    final_positions_t = torch.tensor(final_positions, device=device)
-    final_logprobs = logprobs[final_positions_t, token_ids].tolist()
-    return _results(logprobs, drafts, starts, num_accepted, token_ids.tolist(), final_logprobs)
-
-
-def _verify_drafts(
-    logprobs: torch.Tensor,
-    drafts: list[list[int]],
-    starts: list[int],
-    uniforms: list[torch.Tensor],
-) -> list[int]:
-    """Number of leading drafts accepted per row: u_j < p_j(d_j)."""
-    positions, draft_ids = [], []
-    for r, row_drafts in enumerate(drafts):
-        positions.extend(range(starts[r], starts[r] + len(row_drafts)))
-        draft_ids.extend(row_drafts)
-    if not positions:
-        return [0] * len(drafts)
-    device = logprobs.device
-    index = (torch.tensor(positions, device=device), torch.tensor(draft_ids, device=device))
-    p_draft = logprobs[index].exp()  # [D]
-    # u < 1 always, so p_j(d) = 1 is always accepted; and p_j(d) < 1 in fp32 means some
-    # other token has p > 0: a rejection always leaves a non-empty residual.
-    accepted = (torch.cat(uniforms).to(device) < p_draft).tolist()
-    num_accepted, cursor = [], 0
-    for row_drafts in drafts:
-        num_accepted.append(_num_leading_true(accepted[cursor : cursor + len(row_drafts)]))
-        cursor += len(row_drafts)
-    return num_accepted
-
-
-def _results(
-    logprobs: torch.Tensor,
-    drafts: list[list[int]],
-    starts: list[int],
-    num_accepted: list[int],
-    final_ids: list[int],
-    final_logprobs: list[float],
-) -> list[SampleResult]:
-    positions, draft_ids = [], []
-    for r, row_drafts in enumerate(drafts):
-        positions.extend(range(starts[r], starts[r] + num_accepted[r]))
-        draft_ids.extend(row_drafts[: num_accepted[r]])
-    accepted_logprobs: list[float] = []
-    if positions:
-        device = logprobs.device
-        index = (torch.tensor(positions, device=device), torch.tensor(draft_ids, device=device))
-        accepted_logprobs = logprobs[index].tolist()
+    token_ids = _inverse_cdf_sample(logprobs.exp(), uniforms.to(logprobs.device))  # [S]
+    token_logprobs = logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [S]
+    ids, values = token_ids.tolist(), token_logprobs.tolist()  # the one host sync
     results, cursor = [], 0
-    for r, row_drafts in enumerate(drafts):
-        accepted = row_drafts[: num_accepted[r]]
+    for row_drafts in drafts:
+        row_ids = ids[cursor : cursor + len(row_drafts) + 1]
+        num_accepted = _num_leading_true([x == d for x, d in zip(row_ids, row_drafts)])
         results.append(
             SampleResult(
-                token_ids=accepted + [final_ids[r]],
-                logprobs=accepted_logprobs[cursor : cursor + num_accepted[r]] + [final_logprobs[r]],
-                num_accepted_drafts=num_accepted[r],
+                token_ids=row_ids[: num_accepted + 1],
+                logprobs=values[cursor : cursor + num_accepted + 1],
+                num_accepted_drafts=num_accepted,
             )
         )
-        cursor += num_accepted[r]
+        cursor += len(row_drafts) + 1
     return results

@@ -5,6 +5,7 @@ Draft verification (greedy and rejection sampling) lives in `rejection_sampler`.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -28,12 +29,15 @@ class SamplingRow:
     """One request's sampling context for this step."""
 
     params: SamplingParams
-    generator: torch.Generator | None
-    """The request's own (seeded, CPU) stream, or None for the sampler's default stream."""
+    stream_seed: int | None
+    """The request's own random stream (`request_stream_seed`), or None: a fresh stream
+    drawn from the sampler's default one, in row order."""
     token_history: list[int]
     """Prompt + committed output tokens (for repetition_penalty)."""
     draft_token_ids: list[int]
     """Speculative drafts to verify ([] for a plain step)."""
+    first_output_index: int = 0
+    """Output index of the row's first sampled position (= its committed output tokens)."""
 
 
 def _splitmix64(x: int) -> int:
@@ -43,17 +47,21 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def make_request_generator(seed: int, sample_index: int) -> torch.Generator:
-    """A reproducible CPU stream for sample `sample_index` of a prompt seeded with `seed`.
-
-    Sample 0 uses `seed` itself; the others use a splitmix64 mix of (seed, sample_index),
-    so the `n` samples of one prompt differ from each other but not from run to run.
-    """
+def request_stream_seed(seed: int, sample_index: int) -> int:
+    """The random stream of sample `sample_index` of a prompt seeded with `seed`: the `n`
+    samples of one prompt differ from each other, but not from run to run."""
     assert sample_index >= 0, f"sample_index must be >= 0, got {sample_index}"
-    stream_seed = seed & _MASK_64
-    if sample_index > 0:
-        stream_seed = _splitmix64(_splitmix64(stream_seed) ^ sample_index)
-    return torch.Generator().manual_seed(stream_seed)
+    return _splitmix64(_splitmix64(seed & _MASK_64) ^ sample_index)
+
+
+def position_uniform(stream_seed: int, output_index: int) -> float:
+    """The uniform in [0, 1) of one output position of one stream (counter-based: no state).
+
+    Every sampled token is drawn with the uniform of its own position, so a seeded request's
+    tokens depend on its seed, prompt and parameters only: not on the batch it shares, on
+    preemption, or on how many drafts were verified around it.
+    """
+    return (_splitmix64(stream_seed ^ _splitmix64(output_index)) >> 11) * 2.0**-53
 
 
 def _row_offsets(rows: list[SamplingRow]) -> list[int]:
@@ -148,15 +156,14 @@ class Sampler:
     repetition penalty, temperature, top-k, top-p and min-p (removed tokens are -inf). For
     greedy rows they are the log-softmax of the penalised logits at temperature 1.
 
-    Randomness: each sampled row draws from its own generator (or the default stream, in
-    row order) exactly `k + 1` uniforms (k = number of drafts): one per draft and one for
-    the inverse-CDF draw of the token, whatever is accepted, so a seeded request's tokens
-    do not depend on the other rows in the batch. Greedy rows draw nothing. Generators live
-    on the CPU; the draws are moved to the logits' device.
+    Randomness: the token at output position i of a row is the inverse-CDF draw of
+    `position_uniform(stream_seed, i)` (see `rejection_sampler`), so a seeded request's
+    tokens do not depend on the batch, nor on drafting. Rows without a stream take a fresh
+    one from the sampler's default stream, in row order. Greedy rows draw nothing.
     """
 
     def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+        self._default_stream = random.Random(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         """logits: [sum(len(drafts_i) + 1), vocab]; row i owns len(drafts_i) + 1 consecutive
@@ -203,25 +210,23 @@ class Sampler:
             scaled = scaled / temperature[:, None]
         return filter_logits(scaled, top_k, top_p, min_p).log_softmax(-1)  # [S, V]
 
-    def _draw(
-        self, rows: list[SamplingRow], row_ids: list[int]
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Per row, in row order, k + 1 uniforms: one per draft, then one for the token."""
-        draft_uniforms, token_uniforms = [], []
+    def _uniforms(self, rows: list[SamplingRow], row_ids: list[int]) -> torch.Tensor:
+        """One uniform per sampled position of `row_ids`, in order: [S] float64."""
+        values = []
         for i in row_ids:
-            generator = rows[i].generator
-            generator = self.generator if generator is None else generator
-            assert generator.device.type == "cpu", "request generators must be CPU generators"
-            u = torch.rand(len(rows[i].draft_token_ids) + 1, generator=generator)
-            draft_uniforms.append(u[:-1])
-            token_uniforms.append(u[-1:])
-        return draft_uniforms, torch.cat(token_uniforms)  # [R]
+            row = rows[i]
+            stream_seed = row.stream_seed
+            if stream_seed is None:
+                stream_seed = self._default_stream.getrandbits(64)
+            first = row.first_output_index
+            num_positions = len(row.draft_token_ids) + 1
+            values.extend(position_uniform(stream_seed, first + j) for j in range(num_positions))
+        return torch.tensor(values, dtype=torch.float64)
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], offsets: list[int], row_ids: list[int]
     ) -> list[SampleResult]:
-        """Processed logprobs and the k + 1 uniforms per row, then rejection sampling."""
+        """Processed logprobs and each position's uniform, then verification."""
         logprobs = self._processed_logprobs(logits, rows, offsets, row_ids)  # [S, V]
-        draft_uniforms, token_uniforms = self._draw(rows, row_ids)
         drafts = [rows[i].draft_token_ids for i in row_ids]
-        return rejection_sample(logprobs, drafts, draft_uniforms, token_uniforms)
+        return rejection_sample(logprobs, drafts, self._uniforms(rows, row_ids))

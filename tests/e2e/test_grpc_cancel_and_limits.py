@@ -55,7 +55,7 @@ def test_admission_limit(client):
     stream = client.generate_stream(PROMPTS[2], LONG)
     next(stream)
     try:
-        assert client.info().num_inflight_requests == 1
+        assert client.info().num_inflight_requests == LONG.n  # samples, not prompts
         with pytest.raises(ResourceExhaustedError):
             client.generate([[5, 6, 7]] * limit, SamplingParams(max_tokens=1))
     finally:

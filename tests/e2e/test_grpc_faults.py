@@ -7,9 +7,12 @@ import json
 import threading
 import time
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 
+from rollout_engine.protocol import SERVICE_NAME
 from tests.e2e.server_process import start_server, wait_for
 from tests.integration.hf_oracle import hf_greedy_batch
 from trainer_bridge import (
@@ -119,5 +122,35 @@ def test_a_step_failing_during_a_draining_sleep(tmp_path_factory, llama_dir, ora
             trigger.unlink()
             assert [o.outputs[0].token_ids for o in client.generate(PROMPTS, GREEDY)] == oracle
             assert_idle_and_clean(server, client)
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
+
+
+def test_health_is_not_serving_while_a_step_hangs_then_serving_again(tmp_path_factory, llama_dir,
+                                                                     oracle):
+    fault = {"when": "prefill", "error": "hang", "hang_s": 3.0}
+    server = start_server(tmp_path_factory, llama_dir, "--engine-stall-s", "0.5",
+                          env={"ROLLOUT_ENGINE_FAULT_INJECTION": json.dumps(fault)})
+    results: dict[str, object] = {}
+    try:
+        with EngineClient(server.address, timeout=60) as client, \
+                grpc.insecure_channel(server.address) as channel:
+            client.wait_until_ready(30)
+            health = health_pb2_grpc.HealthStub(channel)
+
+            def status(service: str) -> int:
+                request = health_pb2.HealthCheckRequest(service=service)
+                return health.Check(request, timeout=5).status
+
+            thread = threading.Thread(
+                target=lambda: results.update(out=client.generate(PROMPTS, GREEDY)))
+            thread.start()
+            not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+            assert wait_for(lambda: status(SERVICE_NAME) == not_serving, timeout_s=10)
+            assert status("") == not_serving
+            thread.join(30)
+            assert [o.outputs[0].token_ids for o in results["out"]] == oracle
+            serving = health_pb2.HealthCheckResponse.SERVING
+            assert wait_for(lambda: status(SERVICE_NAME) == serving and status("") == serving)
     finally:
         assert server.stop() == 0, server.log()[-3000:]

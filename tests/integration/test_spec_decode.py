@@ -138,3 +138,32 @@ def test_sampling_with_speculation_follows_the_target_distribution(small_vocab_m
     always_accept[4, 2] = 1.0
     assert 0.5 * (always_accept - exact).abs().sum().item() > 3 * bound
     assert exact[4, 2] < 0.5
+
+
+def test_seeded_tokens_do_not_depend_on_batch_drafting_or_preemption(llama_dir):
+    """A seeded request's tokens depend on its seed, prompt and parameters only. Drafting used
+    to consume random numbers, so the same seed gave other tokens in a batch of 6 (where
+    `disable_by_batch_size` switched drafting off) than alone."""
+    target = PROMPTS[0]
+    # A low temperature makes the random model repeat itself, so drafts are proposed.
+    params = SamplingParams(temperature=0.3, top_p=0.95, max_tokens=32, ignore_eos=True,
+                            seed=123, n=2)
+    others = SamplingParams(temperature=0.8, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+
+    def tokens(outputs) -> list[list[int]]:
+        return [c.token_ids for c in outputs.outputs]
+
+    alone_plain = tokens(LLM(str(llama_dir)).generate([target], params)[0])
+    drafting = LLM(str(llama_dir), num_speculative_tokens=K, disable_by_batch_size=4)
+    alone_drafting = tokens(drafting.generate([target], params)[0])
+    assert drafting.stats()["spec_num_drafts"] > 0
+    batch = drafting.generate([target] + PROMPTS[1:6], [params] + [others] * 5)
+    assert drafting.stats()["spec_num_disabled_steps"] > 0  # drafting was off in the batch
+    preempting = LLM(str(llama_dir), num_speculative_tokens=K, num_blocks=24, block_size=4,
+                     enable_prefix_caching=False)
+    preempted = preempting.generate([target] + PROMPTS[1:6], [params] + [others] * 5)
+    assert preempting.stats()["num_preemptions"] > 0
+    assert alone_drafting == alone_plain
+    assert tokens(batch[0]) == alone_plain
+    assert tokens(preempted[0]) == alone_plain
+    assert alone_plain[0] != alone_plain[1]  # the two samples of the prompt differ

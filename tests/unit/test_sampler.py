@@ -13,7 +13,8 @@ from rollout_engine.worker.sampler import (
     SamplingRow,
     apply_repetition_penalty,
     filter_logits,
-    make_request_generator,
+    position_uniform,
+    request_stream_seed,
 )
 
 # Chi-square critical values at p = 1e-3; the seeds are fixed, so the tests are deterministic.
@@ -24,16 +25,17 @@ def make_row(
     *,
     seed: int | None = None,
     sample_index: int = 0,
+    output_index: int = 0,
     history: list[int] | None = None,
     drafts: list[int] | None = None,
     **params: float,
 ) -> SamplingRow:
-    generator = None if seed is None else make_request_generator(seed, sample_index)
     return SamplingRow(
         params=SamplingParams(**params),
-        generator=generator,
+        stream_seed=None if seed is None else request_stream_seed(seed, sample_index),
         token_history=list(history or []),
         draft_token_ids=list(drafts or []),
+        first_output_index=output_index,
     )
 
 
@@ -218,22 +220,24 @@ def test_repetition_penalty_counts_earlier_drafts() -> None:
 # ---------------------------------------------------------------- seeded streams
 
 
-def test_request_generator_is_reproducible_and_distinct_per_sample() -> None:
-    def state(seed: int, index: int) -> torch.Tensor:
-        return make_request_generator(seed, index).get_state()
-
-    assert torch.equal(state(7, 0), torch.Generator().manual_seed(7).get_state())
-    assert torch.equal(state(7, 3), state(7, 3))
-    states = [state(7, i) for i in range(8)] + [state(8, 1), state(-1, 1)]
-    assert all(not torch.equal(a, b) for i, a in enumerate(states) for b in states[i + 1 :])
+def test_request_streams_are_reproducible_and_distinct_per_sample() -> None:
+    seeds = [request_stream_seed(7, i) for i in range(8)] + [request_stream_seed(8, 1),
+                                                             request_stream_seed(-1, 1)]
+    assert len(set(seeds)) == len(seeds)
+    assert request_stream_seed(7, 3) == request_stream_seed(7, 3)
+    uniforms = [position_uniform(seeds[0], i) for i in range(20000)]
+    assert all(0.0 <= u < 1.0 for u in uniforms) and len(set(uniforms)) == len(uniforms)
+    counts = torch.histc(torch.tensor(uniforms), bins=10, min=0.0, max=1.0)
+    assert chi_square(counts, torch.full((10,), 0.1)) < 27.88  # df 9, p = 1e-3
 
 
 def generate_seeded(seed: int, sample_index: int, sampler_seed: int) -> list[int]:
     """Ten sampled steps on fixed logits from one seeded stream."""
     sampler = Sampler(seed=sampler_seed)
-    row = make_row(seed=seed, sample_index=sample_index, top_k=20)
     logits = random_logits(10, 100, scale=1.0, seed=8)
-    return [sampler(logits[i : i + 1], [row])[0].token_ids[0] for i in range(10)]
+    rows = [make_row(seed=seed, sample_index=sample_index, output_index=i, top_k=20)
+            for i in range(10)]
+    return [sampler(logits[i : i + 1], [rows[i]])[0].token_ids[0] for i in range(10)]
 
 
 def test_same_seed_same_tokens_and_samples_differ() -> None:
@@ -284,18 +288,25 @@ def test_seeded_row_does_not_depend_on_batch(params: dict, drafts: list[int]) ->
         assert batch_sampler(batch_logits, rows)[index] == alone
 
 
-def test_stream_consumption_is_fixed_per_row() -> None:
-    # k + 1 uniforms (drafts, then the token), whatever was accepted; greedy rows draw nothing.
-    vocab_size = 50
-    for drafts in ([], [1], [1, 2, 3]):
-        row = make_row(seed=3, drafts=drafts)
-        Sampler()(random_logits(len(drafts) + 1, vocab_size), [row])
-        expected = make_request_generator(3, 0)
-        torch.rand(len(drafts) + 1, generator=expected)
-        assert torch.equal(row.generator.get_state(), expected.get_state())
-    row = make_row(seed=3, temperature=0.0, drafts=[1, 2])
-    Sampler()(random_logits(3, vocab_size), [row])
-    assert torch.equal(row.generator.get_state(), make_request_generator(3, 0).get_state())
+@pytest.mark.parametrize("drafts", [[17], [17, 3, 250], [0, 0, 0, 0]])
+def test_seeded_tokens_do_not_depend_on_drafting(drafts: list[int]) -> None:
+    """A drafting step returns exactly the tokens that plain steps at the same output
+    positions (with the same distributions) would sample, up to the first rejection."""
+    vocab_size = 256
+    logits = random_logits(len(drafts) + 1, vocab_size, scale=0.5, seed=4)
+    logits[0, drafts[0]] = 4.0  # a likely first draft: some runs accept it
+    params = {"temperature": 0.9, "top_p": 0.95}
+    for seed in range(20):
+        row = make_row(seed=seed, output_index=5, drafts=drafts, **params)
+        drafted = Sampler(seed=1)(logits, [row])[0]
+        plain = [
+            Sampler(seed=2)(logits[j : j + 1], [make_row(seed=seed, output_index=5 + j, **params)])
+            [0].token_ids[0]
+            for j in range(len(drafts) + 1)
+        ]
+        a = drafted.num_accepted_drafts
+        assert drafted.token_ids == plain[: a + 1]
+        assert plain[:a] == drafts[:a] and (a == len(drafts) or plain[a] != drafts[a])
 
 
 # ---------------------------------------------------------------- speculative verification
@@ -459,7 +470,7 @@ def test_mixed_batch_keeps_row_order() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_cuda_logits_match_cpu() -> None:
-    # Draws come from CPU generators either way, so the tokens agree with the CPU path.
+    # The uniforms come from the CPU either way, so the tokens agree with the CPU path.
     def batch() -> list[SamplingRow]:
         rows, _ = mixed_batch(make_row(seed=9, top_p=0.9, drafts=[3, 4]), position=2)
         return rows
