@@ -42,7 +42,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip", nargs="*", default=[], choices=["generate", "generate_batch"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    return parser.parse_args()
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        help="weights and activations (default: float32 on CPU, bfloat16 on CUDA)")
+    args = parser.parse_args()
+    if args.dtype is None:
+        args.dtype = "float32" if args.device == "cpu" else "bfloat16"
+    return args
 
 
 def make_prompts(args, vocab_size: int) -> list[list[int]]:
@@ -55,7 +61,8 @@ def make_prompts(args, vocab_size: int) -> list[list[int]]:
 
 def run_engine(model_dir: str, prompts, args) -> tuple[float, int]:
     llm = LLM(model_dir, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=len(prompts) * args.n, kv_cache_bytes=2 * 1024**3)
+              max_num_seqs=len(prompts) * args.n, kv_cache_bytes=2 * 1024**3,
+              device=args.device, dtype=args.dtype)
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens,
                             ignore_eos=True, seed=args.seed)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up
@@ -65,11 +72,18 @@ def run_engine(model_dir: str, prompts, args) -> tuple[float, int]:
     return elapsed, sum(len(o.token_ids) for out in outputs for o in out.outputs)
 
 
-def _hf_model(model_dir: str, attn_implementation: str | None = None):
+def _sync(args) -> None:
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize(args.device)
+
+
+def _hf_model(model_dir: str, args, attn_implementation: str | None = None):
     from transformers import AutoModelForCausalLM
 
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, args.dtype), **kwargs
+    ).to(args.device).eval()
     model.generation_config.eos_token_id = None
     return model
 
@@ -86,15 +100,18 @@ def _generation_config(args):
 @torch.inference_mode()
 def run_hf_generate(model_dir: str, prompts, args) -> tuple[float, int]:
     """TRL's default path: left-padded batch, every prompt repeated n times."""
-    model = _hf_model(model_dir)
+    model = _hf_model(model_dir, args)
     max_len = max(len(p) for p in prompts)
     input_ids = torch.zeros(len(prompts), max_len, dtype=torch.long)
     mask = torch.zeros_like(input_ids)
     for i, p in enumerate(prompts):
         input_ids[i, max_len - len(p):] = torch.tensor(p)
         mask[i, max_len - len(p):] = 1
+    input_ids, mask = input_ids.to(args.device), mask.to(args.device)
+    _sync(args)
     start = time.perf_counter()
     out = model.generate(input_ids, attention_mask=mask, generation_config=_generation_config(args))
+    _sync(args)
     elapsed = time.perf_counter() - start
     return elapsed, (out.shape[1] - max_len) * out.shape[0]
 
@@ -102,7 +119,7 @@ def run_hf_generate(model_dir: str, prompts, args) -> tuple[float, int]:
 @torch.inference_mode()
 def run_hf_generate_batch(model_dir: str, prompts, args) -> tuple[float, int]:
     """TRL's continuous-batching path (transformers' paged `generate_batch`)."""
-    model = _hf_model(model_dir, attn_implementation="sdpa")
+    model = _hf_model(model_dir, args, attn_implementation="sdpa")
     start = time.perf_counter()
     results = model.generate_batch(prompts, generation_config=_generation_config(args),
                                    progress_bar=True)
@@ -122,7 +139,7 @@ def main() -> None:
         prompts = make_prompts(args, AutoConfig.from_pretrained(model_dir).vocab_size)
         print(f"workload: {len(prompts)} prompts x n={args.n}, prompt lengths "
               f"{args.min_prompt_len}-{args.max_prompt_len}, {args.max_tokens} new tokens, "
-              f"T=1, {torch.get_num_threads()} threads")
+              f"T=1, {torch.get_num_threads()} threads, {args.device} {args.dtype}")
         results = {"rollout_engine": run_engine(model_dir, prompts, args)}
         if "generate" not in args.skip:
             results["HF generate (padded)"] = run_hf_generate(model_dir, prompts, args)

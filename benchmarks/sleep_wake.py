@@ -19,8 +19,13 @@ a ratio of at most 1.5 against it. "fresh floor": the same into freshly allocate
 costs; memory really given back to the OS has to be zeroed by the kernel again, so on
 CPU this is the floor any release-and-reacquire can reach.
 
+On CUDA (`--device cuda`) the floors are the same operations on the device (memset) and
+between the device and pinned host memory (memcpy: the backup's direction), and the table
+also gives the device bytes each release handed back, from `torch.cuda.mem_get_info`.
+
     python benchmarks/sleep_wake.py                       # "small" model, 512 MiB KV pool
     python benchmarks/sleep_wake.py --kv-cache-mib 64 --repeats 3   # quick look
+    python benchmarks/sleep_wake.py --device cuda --size 0.5b --kv-cache-mib 4096
 """
 
 from __future__ import annotations
@@ -58,33 +63,45 @@ def parse_args() -> argparse.Namespace:
         help="torch threads; the work is memory-bound, and one thread avoids OpenMP stalls "
         "on a shared machine",
     )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     return parser.parse_args()
 
 
+DEVICE = torch.device("cpu")
+
+
 def timed_s(action: Callable[[], object]) -> float:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
     start = time.perf_counter()
     action()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
     return time.perf_counter() - start
 
 
 class Floors:
-    """memset and memcpy of byte tensors of the pools' sizes, into resident or fresh memory."""
+    """memset and memcpy of byte tensors of the pools' sizes, into resident or fresh memory.
+    On CUDA memsets run on the device and memcpy goes device -> pinned host."""
 
     def __init__(self, weights_bytes: int, kv_bytes: int) -> None:
         self.w, self.k = weights_bytes, kv_bytes
-        self.kv = torch.ones(kv_bytes, dtype=torch.uint8)
-        self.both = torch.ones(weights_bytes + kv_bytes, dtype=torch.uint8)
-        self.src = torch.ones(weights_bytes, dtype=torch.uint8)
-        self.dst = torch.zeros(weights_bytes, dtype=torch.uint8)
+        on_device = {"dtype": torch.uint8, "device": DEVICE}
+        self.kv = torch.ones(kv_bytes, **on_device)
+        self.both = torch.ones(weights_bytes + kv_bytes, **on_device)
+        self.src = torch.ones(weights_bytes, **on_device)
+        self.dst = torch.zeros(weights_bytes, dtype=torch.uint8,
+                               pin_memory=DEVICE.type == "cuda")
 
     def sample(self) -> Samples:
+        on_device = {"dtype": torch.uint8, "device": DEVICE}
         return {
             "memset(K)": timed_s(self.kv.zero_),
             "memset(W+K)": timed_s(self.both.zero_),
             "memcpy(W)": timed_s(lambda: self.dst.copy_(self.src)),
-            "fresh memset(K)": timed_s(lambda: torch.zeros(self.k, dtype=torch.uint8)),
-            "fresh memset(W+K)": timed_s(lambda: torch.zeros(self.w + self.k, dtype=torch.uint8)),
-            "fresh memcpy(W)": timed_s(lambda: torch.empty_like(self.src).copy_(self.src)),
+            "fresh memset(K)": timed_s(lambda: torch.zeros(self.k, **on_device)),
+            "fresh memset(W+K)": timed_s(lambda: torch.zeros(self.w + self.k, **on_device)),
+            "fresh memcpy(W)": timed_s(lambda: torch.empty_like(self.dst).copy_(self.src)),
         }
 
 
@@ -143,19 +160,48 @@ def print_table(m: Samples, w: int, k: int) -> None:
               f"(<= {GOAL_RATIO}x {verdict}) | {fresh_s * 1e3:.1f} | {total_s / fresh_s:.2f}x |")
 
 
+def device_bytes_freed(llm: LLM) -> dict[str, int]:
+    """Device bytes each release hands back, from the driver's free-memory count (CUDA)."""
+    def freed(release: Callable[[], object], restore: Callable[[], object]) -> int:
+        free_before, _ = torch.cuda.mem_get_info(DEVICE)
+        release()
+        free_after, _ = torch.cuda.mem_get_info(DEVICE)
+        restore()
+        return free_after - free_before
+
+    return {
+        "level 1": freed(lambda: llm.sleep(level=1), llm.wake_up),
+        "release_kv_cache_memory": freed(llm.release_kv_cache_memory,
+                                         lambda: llm.wake_up(["kv_cache"])),
+    }
+
+
 def main() -> None:
+    global DEVICE
     args = parse_args()
+    DEVICE = torch.device(args.device)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or str(build_tiny_model(Path(tmp) / "model", args.arch, args.size))
-        llm = LLM(model_dir, kv_cache_bytes=args.kv_cache_mib * MiB)
+        dtype = "float32" if DEVICE.type == "cpu" else "bfloat16"
+        llm = LLM(model_dir, kv_cache_bytes=args.kv_cache_mib * MiB, device=args.device,
+                  dtype=dtype)
         # The checkpoint in process memory (as a trainer holds it), to restore after level 2.
-        weights = {name: t.clone() for name, t in iterate_checkpoint(model_dir)}
+        weights = {name: t.to(getattr(torch, dtype)).clone()
+                   for name, t in iterate_checkpoint(model_dir)}
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
     sample_engine(llm, weights)  # warm-up of the memory paths
     medians = measure(llm, weights, args.repeats)
     pool_bytes = llm.memory_state().pool_bytes
     print_table(medians, pool_bytes["weights"], pool_bytes["kv_cache"])
+    if DEVICE.type == "cuda":
+        print("\n| release | pool bytes | device bytes freed (mem_get_info) | freed / pool |")
+        print("|---|---:|---:|---:|")
+        pools = {"level 1": pool_bytes["weights"] + pool_bytes["kv_cache"],
+                 "release_kv_cache_memory": pool_bytes["kv_cache"]}
+        for name, freed in device_bytes_freed(llm).items():
+            print(f"| {name} | {pools[name] / MiB:.1f} MiB | {freed / MiB:.1f} MiB "
+                  f"| {freed / pools[name]:.3f} |")
 
 
 if __name__ == "__main__":

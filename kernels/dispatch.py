@@ -1,15 +1,33 @@
-"""Chooses the kernel for a tensor's device: Triton on CUDA, the batched torch path elsewhere."""
+"""Chooses the kernel for a tensor's device: Triton on CUDA, the batched torch path on the CPU,
+the torch reference anywhere else (or on CUDA when Triton is switched off)."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
 
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.paged_attention_cpu import paged_attention_cpu, store_kv_cache_cpu
+from kernels.paged_attention_ref import paged_attention_ref, store_kv_cache_ref
 
 
 def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
+
+
+def attention_backend(device: torch.device, use_triton: bool = True) -> str:
+    """"triton", "cpu" (the batched fast path, whose plans are built on the host) or
+    "reference" (every index built on the tensors' device)."""
+    if device.type == "cuda" and use_triton:
+        return "triton"
+    return "cpu" if device.type == "cpu" else "reference"
+
+
+def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Launch on `t`'s GPU whatever the calling thread's current device (`--device cuda:1`)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def store_kv_cache(
@@ -20,11 +38,14 @@ def store_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write new K/V ([num_tokens, num_kv_heads, head_dim]) into the paged cache."""
-    if _use_triton(key):
+    backend = attention_backend(key.device, _use_triton(key))
+    if backend == "triton":
         from kernels.triton_kv_store import store_kv_cache_triton
 
-        return store_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping)
-    return store_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping)
+        with _on_device(key):
+            return store_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+    store: Callable = store_kv_cache_cpu if backend == "cpu" else store_kv_cache_ref
+    return store(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(
@@ -35,8 +56,11 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention over the paged KV cache; query [num_tokens, num_heads, head_dim]."""
-    if _use_triton(query):
+    backend = attention_backend(query.device, _use_triton(query))
+    if backend == "triton":
         from kernels.triton_paged_attention import paged_attention_triton
 
-        return paged_attention_triton(query, key_cache, value_cache, metadata, scale)
-    return paged_attention_cpu(query, key_cache, value_cache, metadata, scale)
+        with _on_device(query):
+            return paged_attention_triton(query, key_cache, value_cache, metadata, scale)
+    attend: Callable = paged_attention_cpu if backend == "cpu" else paged_attention_ref
+    return attend(query, key_cache, value_cache, metadata, scale)

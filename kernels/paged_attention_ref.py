@@ -69,7 +69,9 @@ def _plan(metadata: AttentionMetadata) -> dict:
     """Split requests into the padded batch and single prefill chunks (once per step)."""
     if "ref_plan" in metadata.cache:
         return metadata.cache["ref_plan"]
-    starts = metadata.query_start_loc.tolist()
+    starts = [0]  # from the host-side lengths: no device sync
+    for q_len in metadata.query_lens_cpu:
+        starts.append(starts[-1] + q_len)
     batched, single = [], []
     for i, (q_len, s_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
         if q_len <= MAX_BATCHED_QUERY_LEN:

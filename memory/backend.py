@@ -55,13 +55,17 @@ class MemoryBackend(abc.ABC):
         """Fill the mapped range with zeros; afterwards all of it is resident."""
         self.as_tensor(region).zero_()
 
+    keeps_host_backups: bool = False
+    """Whether the manager keeps a restored backup for the next sleep instead of freeing it."""
+
     @abc.abstractmethod
-    def backup(self, region: Region) -> HostBackup:
-        """Copy the mapped range into new host memory."""
+    def backup(self, region: Region, reuse: HostBackup | None = None) -> HostBackup:
+        """Copy the mapped range into host memory: `reuse` if it fits (else it is freed),
+        new memory otherwise."""
 
     @abc.abstractmethod
     def restore(self, region: Region, backup: HostBackup) -> None:
-        """Copy a backup into the mapped range, then free the backup."""
+        """Copy a backup into the mapped range; the caller frees or keeps the backup."""
 
     @abc.abstractmethod
     def free(self, region: Region) -> None:

@@ -88,15 +88,19 @@ class CpuBackend(MemoryBackend):
         except OSError:  # a kernel older than 5.14: touch every page instead
             super().zero(region)
 
-    def backup(self, region: Region) -> CpuHostBackup:
-        backup = CpuHostBackup(region.num_bytes)
+    def backup(self, region: Region, reuse: HostBackup | None = None) -> CpuHostBackup:
+        if isinstance(reuse, CpuHostBackup) and reuse.num_bytes == region.num_bytes:
+            backup = reuse
+        else:
+            if reuse is not None:
+                reuse.close()
+            backup = CpuHostBackup(region.num_bytes)
         backup.as_tensor().copy_(self.as_tensor(region))
         return backup
 
     def restore(self, region: Region, backup: HostBackup) -> None:
         assert isinstance(backup, CpuHostBackup) and backup.num_bytes == region.num_bytes
         self.as_tensor(region).copy_(backup.as_tensor())
-        backup.close()
 
     def free(self, region: Region) -> None:
         assert isinstance(region, CpuRegion) and region.mm is not None

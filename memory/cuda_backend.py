@@ -79,7 +79,13 @@ class CudaHostBackup(HostBackup):
 
 
 class CudaBackend(MemoryBackend):
-    """One device's virtual memory: a reservation per region, a physical handle per map."""
+    """One device's virtual memory: a reservation per region, a physical handle per map.
+
+    Pinned host backups are kept across sleep cycles: allocating and freeing a model-sized
+    page-locked buffer on every sleep(level=1) dominated wake time in torch_memory_saver.
+    """
+
+    keeps_host_backups = True
 
     def __init__(self, device: torch.device | str) -> None:
         device = torch.device(device)
@@ -201,9 +207,13 @@ class CudaBackend(MemoryBackend):
             )
         return tensor
 
-    def backup(self, region: Region) -> CudaHostBackup:
+    def backup(self, region: Region, reuse: HostBackup | None = None) -> CudaHostBackup:
         assert region.is_mapped
-        backup = CudaHostBackup(self, region.num_bytes)
+        fits = (isinstance(reuse, CudaHostBackup) and reuse.num_bytes == region.num_bytes
+                and reuse.host_ptr is not None)
+        if reuse is not None and not fits:
+            reuse.close()
+        backup = reuse if fits else CudaHostBackup(self, region.num_bytes)
         torch.cuda.synchronize(self.device)
         try:
             with self.context():
@@ -219,7 +229,6 @@ class CudaBackend(MemoryBackend):
         torch.cuda.synchronize(self.device)
         with self.context():
             call("cuMemcpyHtoD", region.base_ptr, backup.host_ptr, region.num_bytes)
-        backup.close()
 
     def free(self, region: Region) -> None:
         assert isinstance(region, CudaRegion)

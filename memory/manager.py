@@ -28,6 +28,8 @@ class _TagEntry:
     pool: MemoryPool
     state: TagState
     backup: HostBackup | None = None
+    spare_backup: HostBackup | None = None
+    """A restored backup kept for the next sleep (backends that keep host backups)."""
 
 
 class MemoryManager:
@@ -78,7 +80,7 @@ class MemoryManager:
         with self._lock:
             entry = self._entry(tag)
             with self._span("free_pool", tag=tag, num_bytes=entry.pool.num_bytes):
-                self._close_backup(entry)
+                self._close_backup(entry, keep_spare=False)
                 self._backend.free(entry.pool.region)
             del self._entries[tag]
 
@@ -111,7 +113,10 @@ class MemoryManager:
             keep = offload and entry.state is TagState.AWAKE
             region = entry.pool.region
             with self._span("sleep", tag=tag, num_bytes=entry.pool.num_bytes, offload=keep):
-                backup = self._backend.backup(region) if keep else None
+                backup = None
+                if keep:
+                    spare, entry.spare_backup = entry.spare_backup, None
+                    backup = self._backend.backup(region, reuse=spare)
                 try:
                     self._backend.unmap(region)
                 except BaseException:
@@ -150,7 +155,7 @@ class MemoryManager:
         except BaseException:
             self._backend.unmap(entry.pool.region)  # stay OFFLOADED, backup kept
             raise
-        entry.backup = None
+        self._close_backup(entry)
         entry.state = TagState.AWAKE
 
     def mark_valid(self, tag: str) -> None:
@@ -203,6 +208,7 @@ class MemoryManager:
             "bytes": entry.pool.num_bytes,
             "allocated_bytes": entry.pool.num_allocated_bytes,
             "backup_bytes": 0 if entry.backup is None else entry.backup.num_bytes,
+            "spare_backup_bytes": 0 if entry.spare_backup is None else entry.spare_backup.num_bytes,
         }
 
     def close(self) -> None:
@@ -237,10 +243,19 @@ class MemoryManager:
         if self._is_closed:
             raise MemoryStateError("the memory manager is closed; create a new MemoryManager")
 
-    def _close_backup(self, entry: _TagEntry) -> None:
-        if entry.backup is not None:
-            entry.backup.close()
-            entry.backup = None
+    def _close_backup(self, entry: _TagEntry, keep_spare: bool = True) -> None:
+        """Drop the tag's backup; backends that keep host backups keep it as the spare for
+        the next sleep (pinned host memory is slow to allocate), unless `keep_spare` is off."""
+        backup, entry.backup = entry.backup, None
+        if backup is not None and keep_spare and self._backend.keeps_host_backups:
+            if entry.spare_backup is not None:
+                entry.spare_backup.close()
+            entry.spare_backup = backup
+        elif backup is not None:
+            backup.close()
+        if not keep_spare and entry.spare_backup is not None:
+            entry.spare_backup.close()
+            entry.spare_backup = None
 
     def _span(self, event: str, **fields: Any) -> contextlib.AbstractContextManager[None]:
         if self.event_log is None:

@@ -215,7 +215,7 @@ class StreamChunk(_message.Message):
     def __init__(self, pieces: _Optional[_Iterable[_Union[TensorPiece, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
-    __slots__ = ("device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "buffer_offset_bytes", "buffer_num_bytes")
+    __slots__ = ("device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "buffer_offset_bytes", "buffer_num_bytes", "device_uuid")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,7 @@ class CudaIpcHandle(_message.Message):
     EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     BUFFER_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUFFER_NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     device: int
     handle: bytes
     storage_size_bytes: int
@@ -236,7 +237,8 @@ class CudaIpcHandle(_message.Message):
     event_sync_required: bool
     buffer_offset_bytes: int
     buffer_num_bytes: int
-    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., buffer_offset_bytes: _Optional[int] = ..., buffer_num_bytes: _Optional[int] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., buffer_offset_bytes: _Optional[int] = ..., buffer_num_bytes: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class SharedBucket(_message.Message):
     __slots__ = ("bucket_id", "shm_name", "cuda_ipc", "pieces")

@@ -223,6 +223,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--kv-cache-bytes", type=_parse_bytes,
                         help="bytes of the KV pool, e.g. 2GiB (default: the engine's)")
     engine.add_argument("--num-blocks", type=int, help="KV blocks (overrides --kv-cache-bytes)")
+    engine.add_argument("--gpu-memory-utilization", type=float,
+                        help="CUDA: fraction of the device the engine may use in all, when "
+                        "--kv-cache-bytes is not given (default: the engine's, 0.5)")
     engine.add_argument("--block-size", type=int, help="tokens per KV block")
     engine.add_argument("--no-prefix-caching", action="store_true",
                         help="turn off prefix caching")
@@ -239,6 +242,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 _SERVE_ENGINE_OPTIONS = (
     "dtype", "device", "seed", "kv_cache_bytes", "num_blocks", "block_size",
+    "gpu_memory_utilization",
     "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_speculative_tokens",
 )
 

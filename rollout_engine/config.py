@@ -76,15 +76,22 @@ class CacheConfig:
     """Tokens per KV block."""
     num_blocks: int | None = None
     """Number of KV blocks; None derives it from kv_cache_bytes."""
-    kv_cache_bytes: int = 256 * 1024**2
-    """Bytes of the KV pool when num_blocks is None."""
+    kv_cache_bytes: int | None = None
+    """Bytes of the KV pool when num_blocks is None; None: 256 MiB on CPU, and on CUDA what
+    gpu_memory_utilization leaves after the weights and activations."""
+    gpu_memory_utilization: float = 0.5
+    """CUDA: the fraction of the device's memory this engine may use in all (vLLM's name);
+    the rest is the trainer's. Used when kv_cache_bytes and num_blocks are None."""
     enable_prefix_caching: bool = True
     """Reuse KV of identical full prompt blocks across requests."""
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size must be >= 1")
         _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks must be >= 1")
-        _require(self.kv_cache_bytes >= 1, "kv_cache_bytes must be >= 1")
+        _require(self.kv_cache_bytes is None or self.kv_cache_bytes >= 1,
+                 "kv_cache_bytes must be >= 1 (or None to size it from the device)")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0,
+                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import random
 from collections.abc import Iterator
@@ -34,6 +35,15 @@ SIZES: dict[str, dict[str, int]] = {
         "num_key_value_heads": 4,
         "intermediate_size": 1408,
         "vocab_size": 8192,
+    },
+    # Qwen2-0.5B's shape (about 0.5B parameters): the GPU benchmarks' model.
+    "0.5b": {
+        "hidden_size": 896,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "intermediate_size": 4864,
+        "vocab_size": 151936,
     },
 }
 
@@ -316,13 +326,13 @@ def _pad_vocab(vocab: dict[str, int], vocab_size: int) -> None:
     plain letters, like the rarely used entries of a real vocabulary.
     """
     letters = "abcdefghijklmnopqrstuvwxyz"
-    candidates = (
-        prefix + a + b + c
-        for prefix in ("", "\u0120")  # "Ġ": the byte-level symbol of a space
-        for a in letters
-        for b in letters
-        for c in ("",) + tuple(letters)
-    )
+    prefixes = ("", "\u0120")  # "Ġ": the byte-level symbol of a space
+    short = (p + a + b + c for p in prefixes for a in letters for b in letters
+             for c in ("",) + tuple(letters))
+    # Four letters only once three are used up (real-sized vocabularies, ~150k entries).
+    long = (p + a + b + c + d for p in prefixes for a in letters for b in letters
+            for c in letters for d in letters)
+    candidates = itertools.chain(short, long)
     next_id = len(vocab)
     assert sorted(vocab.values()) == list(range(next_id)), "trained ids are not contiguous"
     for candidate in candidates:

@@ -285,6 +285,7 @@ def _cuda_ipc_descriptor(buffer: torch.Tensor) -> dict:
         "ref_counter_offset": args[12], "event_handle": args[13] or b"",
         "event_sync_required": bool(args[14]), "buffer_offset_bytes": args[3],
         "buffer_num_bytes": buffer.numel(),
+        "device_uuid": str(torch.cuda.get_device_properties(buffer.device).uuid),
     }
 
 

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
+
 from rollout_engine.protocol import (
     EngineError,
     EngineSleepingError,
@@ -149,6 +151,9 @@ class EngineLoop:
     # ------------------------------------------------------------------ on the engine thread
     def _main(self) -> None:
         try:
+            device = self.engine.device
+            if device.type == "cuda":  # launches and syncs go to the engine's GPU (cuda:N)
+                torch.cuda.set_device(device)
             self._run()
         except BaseException as exc:  # noqa: BLE001 - a bug in the loop itself
             logger.critical("the engine thread crashed; every call now fails", exc_info=exc)

@@ -169,12 +169,22 @@ class TensorAssembler:
 
 
 class SharedBuffers:
-    """The shared buffers named in SharedBucket messages, opened once per update."""
+    """The shared buffers named in SharedBucket messages, opened once per update.
 
-    def __init__(self, device: torch.device) -> None:
+    CUDA buffers are cached by their whole location, not by the IPC handle alone: PyTorch
+    gives every block of one caching-allocator segment the same handle, so two client slots
+    in one segment differ only by their offsets and would otherwise alias each other.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        open_ipc: Callable[[pb.CudaIpcHandle], torch.Tensor] | None = None,
+    ) -> None:
         self._device = device
+        self._open_ipc = open_ipc or open_cuda_ipc_buffer
         self._shm: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
-        self._cuda: dict[bytes, torch.Tensor] = {}
+        self._cuda: dict[tuple, torch.Tensor] = {}
 
     def get(self, bucket: pb.SharedBucket) -> torch.Tensor:
         """The bucket's buffer as a 1-D uint8 tensor."""
@@ -218,10 +228,24 @@ class SharedBuffers:
         return buffer
 
     def _cuda_buffer(self, handle: pb.CudaIpcHandle) -> torch.Tensor:
-        buffer = self._cuda.get(handle.handle)
+        key = (handle.device_uuid, handle.device, handle.handle, handle.storage_offset_bytes,
+               handle.buffer_offset_bytes, handle.buffer_num_bytes)
+        buffer = self._cuda.get(key)
         if buffer is None:
-            buffer = self._cuda[handle.handle] = open_cuda_ipc_buffer(handle)
+            buffer = self._cuda[key] = self._open_ipc(handle)
         return buffer
+
+
+def local_cuda_ordinal(device_uuid: str, fallback_ordinal: int, uuids: list[str]) -> int:
+    """This process's ordinal of the GPU named by `device_uuid` (`uuids[i]` is GPU i's)."""
+    if not device_uuid:
+        return fallback_ordinal
+    if device_uuid not in uuids:
+        raise WeightUpdateError(
+            f"the client's GPU {device_uuid} is not visible to the server (it sees "
+            f"{uuids or 'no GPU'}); cuda_ipc needs both on one GPU: use transport='shm'"
+        )
+    return uuids.index(device_uuid)
 
 
 def open_cuda_ipc_buffer(handle: pb.CudaIpcHandle) -> torch.Tensor:
@@ -230,9 +254,12 @@ def open_cuda_ipc_buffer(handle: pb.CudaIpcHandle) -> torch.Tensor:
         raise WeightUpdateError("the cuda_ipc transport needs CUDA on the server")
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+    uuids = [str(torch.cuda.get_device_properties(i).uuid)
+             for i in range(torch.cuda.device_count())]
+    device = local_cuda_ordinal(handle.device_uuid, handle.device, uuids)
     return rebuild_cuda_tensor(
         torch.Tensor, (handle.buffer_num_bytes,), (1,), handle.buffer_offset_bytes,
-        torch.storage.TypedStorage, torch.uint8, handle.device, handle.handle,
+        torch.storage.TypedStorage, torch.uint8, device, handle.handle,
         handle.storage_size_bytes, handle.storage_offset_bytes, False,
         handle.ref_counter_handle, handle.ref_counter_offset, handle.event_handle or None,
         handle.event_sync_required,
@@ -257,8 +284,8 @@ def write_all(
     """Runs on the engine thread; CUDA copies finish before the client may reuse a buffer."""
     for name, tensor in tensors:
         write(name, tensor)
-    if any(t.is_cuda for _, t in tensors):
-        torch.cuda.synchronize()
+    for device in {t.device for _, t in tensors if t.is_cuda}:
+        torch.cuda.synchronize(device)
 
 
 def _retrieve_exception(future: asyncio.Future) -> None:

@@ -12,7 +12,12 @@ from rollout_engine.config import EngineConfig
 from rollout_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from rollout_engine.protocol import MemoryState, SleepLevel
 from rollout_engine.worker.engine_memory import EngineMemory
-from rollout_engine.worker.kv_cache_spec import KVCacheSpec
+from rollout_engine.worker.kv_cache_spec import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    KVCacheSpec,
+    activation_bytes_estimate,
+    plan_kv_cache_bytes,
+)
 from rollout_engine.worker.model_runner import ModelRunner
 from rollout_engine.worker.models.loader import (
     build_model,
@@ -41,6 +46,8 @@ class Worker:
     ) -> None:
         model_config, cache_config = config.model_config, config.cache_config
         self.device = torch.device(model_config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # this thread's kernels go to the engine's GPU
         self.dtype = resolve_dtype(model_config.dtype, hf_config, self.device)
         self.memory = EngineMemory(self.device, event_log)
         weights_pool = self.memory.create_weights_pool(parameter_nbytes(hf_config, self.dtype))
@@ -48,9 +55,16 @@ class Worker:
             hf_config, self.dtype, self.device, max_model_len, allocate=weights_pool.allocate
         )
         load_weights(model, iterate_checkpoint(model_config.model))
-        self.weights = WeightUpdater(model, self.memory, event_log, on_weight_update)
+
+        def after_update() -> None:
+            on_weight_update()
+            self._return_cached_device_memory()  # the update's staging copies
+
+        self.weights = WeightUpdater(model, self.memory, event_log, after_update)
         kv_spec = KVCacheSpec.from_model(hf_config, cache_config.block_size, self.dtype)
-        self.num_blocks = kv_spec.num_blocks_for(cache_config)
+        self.num_blocks = kv_spec.num_blocks_for(
+            cache_config, self._kv_cache_bytes(config, hf_config, weights_pool.num_bytes)
+        )
         layout = kv_cache_layout(self.device)
         kv_storage = self.memory.allocate_kv_cache(
             kv_spec.storage_shape(layout, self.num_blocks), self.dtype
@@ -69,16 +83,38 @@ class Worker:
             self.check_ready()  # never run the model on released or half-written memory
         return self.model_runner.execute(scheduler_output)
 
+    def _kv_cache_bytes(self, config: EngineConfig, hf_config, weights_bytes: int) -> int:
+        cache_config, scheduler_config = config.cache_config, config.scheduler_config
+        if cache_config.kv_cache_bytes is not None:
+            return cache_config.kv_cache_bytes
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
+        activation_bytes = activation_bytes_estimate(
+            hf_config, scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs,
+            self.dtype,
+        )
+        return plan_kv_cache_bytes(total_bytes, free_bytes, weights_bytes, activation_bytes,
+                                   cache_config.gpu_memory_utilization)
+
     # ------------------------------------------------------------------ memory
     def sleep(self, level: SleepLevel) -> None:
         self.weights.close_session("sleep() released the weights")
         self.memory.sleep(level)
+        self._return_cached_device_memory()
 
     def wake_up(self, tags: Sequence[str]) -> None:
         self.memory.wake_up(tags)
 
     def release_kv_cache(self) -> None:
         self.memory.release_kv_cache()
+        self._return_cached_device_memory()
+
+    def _return_cached_device_memory(self) -> None:
+        """Hand blocks PyTorch's caching allocator holds (activations, staging copies) back
+        to the driver, so the trainer gets all that the engine freed, not just the pools."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def memory_state(self) -> MemoryState:
         return self.memory.state()

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from rollout_engine.protocol import InternalError
 from rollout_engine.server.engine_loop import EngineLoop
@@ -16,6 +17,8 @@ from rollout_engine.server.engine_loop import EngineLoop
 class IdleEngine:
     """Stands in for LLMEngine where the loop only asks whether there is work: a loop bug is
     injected by making that question raise."""
+
+    device = torch.device("cpu")
 
     def __init__(self) -> None:
         self.broken = threading.Event()

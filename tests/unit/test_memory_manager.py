@@ -177,6 +177,7 @@ def test_memory_state_reports_each_tag(manager: MemoryManager) -> None:
         "bytes": WEIGHTS_BYTES,
         "allocated_bytes": 0,
         "backup_bytes": WEIGHTS_BYTES,
+        "spare_backup_bytes": 0,
     }
     assert state["tags"]["kv_cache"]["state"] == "awake"
     assert state["tags"]["kv_cache"]["allocated_bytes"] == 400
@@ -207,3 +208,33 @@ def test_transitions_are_recorded_on_the_timeline() -> None:
     sleep_end = timeline.events[3]
     assert sleep_end["tag"] == "weights" and sleep_end["num_bytes"] == 8192
     assert sleep_end["offload"] is True and sleep_end["duration_s"] >= 0
+
+
+def test_a_backend_that_keeps_host_backups_allocates_one_per_tag() -> None:
+    """The CUDA backend keeps its pinned backup across sleep(level=1) cycles (allocating it is
+    the slow part of a wake); the manager logic is checked here with a CPU backend told to."""
+    from memory import cpu_backend
+
+    allocations = []
+
+    class CountingBackup(cpu_backend.CpuHostBackup):
+        def __init__(self, num_bytes: int) -> None:
+            allocations.append(num_bytes)
+            super().__init__(num_bytes)
+
+    with MemoryManager("cpu") as keeping:
+        keeping._backend.keeps_host_backups = True  # noqa: SLF001 - the CUDA policy, on CPU
+        original = cpu_backend.CpuHostBackup
+        cpu_backend.CpuHostBackup = CountingBackup
+        try:
+            pool = keeping.create_pool("weights", 1 << 20)
+            data = pool.allocate((1 << 18,), torch.float32)
+            for cycle in range(5):
+                data.fill_(cycle)
+                keeping.sleep("weights", offload=True)
+                keeping.wake("weights")
+                assert bool((data == cycle).all())
+                assert keeping.memory_state()["tags"]["weights"]["spare_backup_bytes"] == 1 << 20
+        finally:
+            cpu_backend.CpuHostBackup = original
+    assert allocations == [1 << 20]
