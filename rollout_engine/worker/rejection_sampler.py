@@ -53,20 +53,7 @@ def greedy_verify(logits: torch.Tensor, drafts: list[list[int]]) -> list[SampleR
     """
     argmax = logits.argmax(-1)  # [G]
     logprobs = logits.log_softmax(-1).gather(1, argmax[:, None]).squeeze(1)  # [G]
-    argmax_ids, logprob_values = argmax.tolist(), logprobs.tolist()
-    results, cursor = [], 0
-    for row_drafts in drafts:
-        targets = argmax_ids[cursor : cursor + len(row_drafts) + 1]
-        num_accepted = _num_leading_true([t == d for t, d in zip(targets, row_drafts)])
-        results.append(
-            SampleResult(
-                token_ids=targets[: num_accepted + 1],
-                logprobs=logprob_values[cursor : cursor + num_accepted + 1],
-                num_accepted_drafts=num_accepted,
-            )
-        )
-        cursor += len(row_drafts) + 1
-    return results
+    return _accept_matching_drafts(argmax.tolist(), logprobs.tolist(), drafts)
 
 
 def rejection_sample(
@@ -87,15 +74,22 @@ def rejection_sample(
     """
     token_ids = _inverse_cdf_sample(logprobs.exp(), uniforms.to(logprobs.device))  # [S]
     token_logprobs = logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [S]
-    ids, values = token_ids.tolist(), token_logprobs.tolist()  # the one host sync
+    return _accept_matching_drafts(token_ids.tolist(), token_logprobs.tolist(), drafts)
+
+
+def _accept_matching_drafts(
+    target_ids: list[int], target_logprobs: list[float], drafts: list[list[int]]
+) -> list[SampleResult]:
+    """Per row: the target's tokens up to and including the first that differs from its
+    draft (all of them, the bonus included, when every draft matches)."""
     results, cursor = [], 0
     for row_drafts in drafts:
-        row_ids = ids[cursor : cursor + len(row_drafts) + 1]
+        row_ids = target_ids[cursor : cursor + len(row_drafts) + 1]
         num_accepted = _num_leading_true([x == d for x, d in zip(row_ids, row_drafts)])
         results.append(
             SampleResult(
                 token_ids=row_ids[: num_accepted + 1],
-                logprobs=values[cursor : cursor + num_accepted + 1],
+                logprobs=target_logprobs[cursor : cursor + num_accepted + 1],
                 num_accepted_drafts=num_accepted,
             )
         )
