@@ -43,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="also run the engine with CUDA graphs (a row of its own)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="weights and activations (default: float32 on CPU, bfloat16 on CUDA)")
     args = parser.parse_args()
@@ -59,10 +61,10 @@ def make_prompts(args, vocab_size: int) -> list[list[int]]:
     ]
 
 
-def run_engine(model_dir: str, prompts, args) -> tuple[float, int]:
+def run_engine(model_dir: str, prompts, args, cuda_graphs: bool = False) -> tuple[float, int]:
     llm = LLM(model_dir, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=len(prompts) * args.n, kv_cache_bytes=2 * 1024**3,
-              device=args.device, dtype=args.dtype)
+              device=args.device, dtype=args.dtype, cuda_graphs=cuda_graphs)
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens,
                             ignore_eos=True, seed=args.seed)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up
@@ -141,6 +143,10 @@ def main() -> None:
               f"{args.min_prompt_len}-{args.max_prompt_len}, {args.max_tokens} new tokens, "
               f"T=1, {torch.get_num_threads()} threads, {args.device} {args.dtype}")
         results = {"rollout_engine": run_engine(model_dir, prompts, args)}
+        if args.cuda_graphs:
+            results["rollout_engine + CUDA graphs"] = run_engine(
+                model_dir, prompts, args, cuda_graphs=True
+            )
         if "generate" not in args.skip:
             results["HF generate (padded)"] = run_hf_generate(model_dir, prompts, args)
         if "generate_batch" not in args.skip:

@@ -220,6 +220,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default: %(default)s)")
     engine.add_argument("--seed", type=int, default=0,
                         help="seed of the engine's random stream (default: %(default)s)")
+    engine.add_argument("--cuda-graphs", action="store_true", default=None,
+                        help="replay decode steps from CUDA graphs (default: off)")
     engine.add_argument("--kv-cache-bytes", type=_parse_bytes,
                         help="bytes of the KV pool, e.g. 2GiB (default: the engine's)")
     engine.add_argument("--num-blocks", type=int, help="KV blocks (overrides --kv-cache-bytes)")
@@ -241,7 +243,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 
 _SERVE_ENGINE_OPTIONS = (
-    "dtype", "device", "seed", "kv_cache_bytes", "num_blocks", "block_size",
+    "dtype", "device", "seed", "cuda_graphs", "kv_cache_bytes", "num_blocks", "block_size",
     "gpu_memory_utilization",
     "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_speculative_tokens",
 )

@@ -33,6 +33,10 @@ class ModelConfig:
     """Torch device string: "cpu" or "cuda[:i]"."""
     seed: int = 0
     """Seed of the engine's random stream (requests without their own seed use it)."""
+    cuda_graphs: bool = False
+    """Replay plain decode steps from CUDA graphs, one per batch-size bucket (vLLM's
+    default; its `enforce_eager` turns them off). Off by default until a GPU run has shown
+    greedy parity with and without them. On the CPU the same padded path runs eagerly."""
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model must be a model directory path")

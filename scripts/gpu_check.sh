@@ -38,8 +38,8 @@ TEST_GROUPS=(
   "engine parity bf16 fp32|tests/gpu/test_engine_cuda.py tests/unit/test_sampler.py"
   "cuda-ipc transport|tests/e2e/test_grpc_cuda_ipc.py"
   "sleep-wake device memory|tests/gpu/test_sleep_wake_cuda.py"
+  "cuda-graph parity|tests/gpu/test_cuda_graphs.py"
 )
-# CUDA-graph parity: no group yet, CUDA graphs are not built (see benchmarks/README.md).
 
 SUMMARY=()
 FAILED=0
@@ -163,7 +163,8 @@ for group in "${TEST_GROUPS[@]}"; do
 done
 run_bench kernels 60 benchmarks/kernels.py --quick
 run_bench rollout_throughput 150 benchmarks/rollout_throughput.py --device cuda --size 0.5b \
-  --skip generate_batch
+  --skip generate_batch --cuda-graphs
+run_bench host_overhead 40 benchmarks/host_overhead.py --device cuda --repeats 50
 run_bench sleep_wake 60 benchmarks/sleep_wake.py --device cuda --size 0.5b --kv-cache-mib 4096 \
   --repeats 3 --threads 4
 # benchmarks/spec_decode.py is left out: its copy model trains on the CPU first (minutes).

@@ -38,6 +38,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self._blocks: dict[str, list[KVBlock]] = {}
+        # The same tables as ids, grown in place (see get_block_ids).
+        self._block_ids: dict[str, list[int]] = {}
         # Chained hashes of each request's full committed blocks known so far.
         self._block_hashes: dict[str, list[int]] = {}
         # How many of each request's leading blocks were handed to the prefix cache.
@@ -53,7 +55,11 @@ class KVCacheManager:
         return self.block_pool.num_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        """The request's block table: a live list, read-only for callers. It only grows
+        while the request holds its blocks; once they are freed, a later allocation starts
+        a new list, so a reader that keeps the list object can tell a table it has seen
+        (same object: only appended to) from a new one."""
+        return self._block_ids.get(request_id, [])
 
     def begin_step(self) -> None:
         """A new step is being scheduled: blocks pending in the last one are no longer shared."""
@@ -87,6 +93,7 @@ class KVCacheManager:
         Returns False, changing nothing, when the pool has too few free blocks.
         """
         blocks = self._blocks.setdefault(request.request_id, [])
+        block_ids = self._block_ids.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
         num_needed = cdiv(num_total, self.block_size) - len(blocks) - len(new_computed_blocks)
@@ -94,12 +101,14 @@ class KVCacheManager:
         num_revived = sum(1 for b in new_computed_blocks if b.ref_count == 0)
         if num_needed > self.block_pool.num_free_blocks - num_revived:
             if not blocks:
-                del self._blocks[request.request_id]
+                del self._blocks[request.request_id], self._block_ids[request.request_id]
             return False
         self.block_pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
+        new_blocks = list(new_computed_blocks)
         if num_needed > 0:
-            blocks.extend(self.block_pool.allocate(num_needed))
+            new_blocks += self.block_pool.allocate(num_needed)
+        blocks.extend(new_blocks)
+        block_ids.extend(b.block_id for b in new_blocks)
         if self.enable_prefix_caching:
             # Only committed tokens are hashed, never drafts.
             self._add_pending(request, min(num_total, request.num_tokens))
@@ -131,6 +140,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release a request's blocks (tail first, so shared prefixes are evicted last)."""
         blocks = self._blocks.pop(request.request_id, [])
+        self._block_ids.pop(request.request_id, None)
         self._block_hashes.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free(list(reversed(blocks)))

@@ -17,7 +17,8 @@ class ScheduledRequest:
     start_position: int
     """`num_computed_tokens` before this step: the position of the first input token."""
     block_ids: list[int]
-    """The request's whole block table."""
+    """The request's whole block table: the KV cache manager's live list, read-only here
+    (`KVCacheManager.get_block_ids` says how it changes)."""
     num_spec_tokens: int
     """How many of the input tokens are drafts."""
     needs_sample: bool

@@ -4,28 +4,38 @@ from __future__ import annotations
 
 import torch
 
-from kernels import AttentionMetadata
-from rollout_engine.core.scheduler_output import (
-    ModelRunnerOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from kernels.dispatch import attention_backend
+from rollout_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from rollout_engine.worker.cuda_graphs import DecodeGraphs
 from rollout_engine.worker.fault_injection import FaultInjector
 from rollout_engine.worker.models.decoder import DecoderForCausalLM
-from rollout_engine.worker.sampler import Sampler, SamplingRow, request_stream_seed
+from rollout_engine.worker.sampler import Sampler
+from rollout_engine.worker.staging import HostStaging
+from rollout_engine.worker.step_inputs import BlockTables, StepInputs, build_step_inputs
 
 
 class ModelRunner:
     """Turns a SchedulerOutput into sampled tokens."""
 
     def __init__(
-        self, model: DecoderForCausalLM, kv_caches: torch.Tensor, block_size: int, seed: int
+        self,
+        model: DecoderForCausalLM,
+        kv_caches: torch.Tensor,
+        block_size: int,
+        seed: int,
+        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches  # [L, 2, num_blocks, block_size, Hkv, D]
         self.block_size = block_size
         self.device = kv_caches.device
+        self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(seed=seed)
+        self.staging = HostStaging(self.device)
+        self.block_tables = BlockTables()
+        self.attention_backend = attention_backend(self.device)
+        self.decode_graphs = decode_graphs
+        """Plain decode steps replay CUDA graphs when set (`ModelConfig.cuda_graphs`)."""
         self.fault_injector: FaultInjector | None = None
         self._fault_hook: torch.utils.hooks.RemovableHandle | None = None
         self.set_fault_injector(FaultInjector.from_env())
@@ -44,69 +54,39 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled_requests
         if not scheduled:
             return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
-        input_ids, positions, metadata = self._prepare_inputs(scheduled)
+        step = build_step_inputs(
+            scheduled, self.block_size, self.vocab_size, self.sampler, self.staging,
+            self.block_tables, host_block_tables=self.attention_backend == "cpu",
+        )
         if self.fault_injector is not None:
             self.fault_injector.arm(scheduler_output)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
-        sample_rows, sampling_rows, sampled_reqs = self._prepare_sampling(scheduled)
-        if not sampled_reqs:
+        if self._use_graphs(step):
+            hidden = self.decode_graphs.run(step.input_ids, step.positions, step.metadata)
+        else:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+        if not step.sampled_request_ids:
             return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
-        logits = self.model.compute_logits(hidden[sample_rows])  # [R, vocab] float32
-        results = self.sampler(logits, sampling_rows)
+        if step.num_logits_rows != hidden.shape[0]:
+            hidden = hidden.index_select(0, step.logits_rows)
+        logits = self.model.compute_logits(hidden)  # [P, vocab] float32
+        results = self.sampler.sample(logits, step.sampling_plan, step.sampling_tensors)
+        request_ids = step.sampled_request_ids
         return ModelRunnerOutput(
-            sampled_token_ids={r.request_id: res.token_ids for r, res in zip(sampled_reqs, results)},
-            logprobs={r.request_id: res.logprobs for r, res in zip(sampled_reqs, results)},
+            sampled_token_ids={rid: res.token_ids for rid, res in zip(request_ids, results)},
+            logprobs={rid: res.logprobs for rid, res in zip(request_ids, results)},
         )
 
-    def _prepare_inputs(
-        self, scheduled: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        for req in scheduled:
-            input_ids.extend(req.input_token_ids)
-            positions.extend(range(req.start_position, req.start_position + len(req.input_token_ids)))
-        metadata = AttentionMetadata.build(
-            query_lens=[len(r.input_token_ids) for r in scheduled],
-            seq_lens=[r.start_position + len(r.input_token_ids) for r in scheduled],
-            block_tables=[r.block_ids for r in scheduled],
-            block_size=self.block_size,
-            device=self.device,
-        )
+    def _use_graphs(self, step: StepInputs) -> bool:
+        graphs = self.decode_graphs
         return (
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            metadata,
+            graphs is not None
+            and self.fault_injector is None  # its hooks need the eager forward
+            and step.is_uniform_decode
+            and graphs.can_run(step.metadata.num_reqs, step.metadata.block_tables.shape[1])
         )
 
-    def _prepare_sampling(
-        self, scheduled: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, list[SamplingRow], list[ScheduledRequest]]:
-        """Rows of the flat batch to sample: the last committed token and each draft."""
-        rows: list[int] = []
-        sampling_rows: list[SamplingRow] = []
-        sampled_reqs: list[ScheduledRequest] = []
-        end = 0
-        for req in scheduled:
-            end += len(req.input_token_ids)
-            if not req.needs_sample:
-                continue
-            rows.extend(range(end - req.num_spec_tokens - 1, end))
-            sampled_reqs.append(req)
-            sampling_rows.append(self._sampling_row(req))
-        return torch.tensor(rows, dtype=torch.int64, device=self.device), sampling_rows, sampled_reqs
-
-    def _sampling_row(self, req: ScheduledRequest) -> SamplingRow:
-        params = req.sampling_params
-        history: list[int] = []
-        if params.repetition_penalty != 1.0:
-            history = req.prompt_token_ids + req.output_token_ids
-        drafts = req.input_token_ids[len(req.input_token_ids) - req.num_spec_tokens :]
-        seed = params.seed
-        return SamplingRow(
-            params=params,
-            stream_seed=None if seed is None else request_stream_seed(seed, req.sample_index),
-            token_history=history,
-            draft_token_ids=drafts if req.num_spec_tokens else [],
-            first_output_index=req.num_output_tokens,
-        )
+    def refresh_graphs(self) -> None:
+        """After memory was remapped or weights replaced: drop graphs that would read from
+        old addresses (they are captured again when next needed)."""
+        if self.decode_graphs is not None and not self.decode_graphs.addresses_unchanged():
+            self.decode_graphs.reset()

@@ -11,6 +11,7 @@ from memory import MemoryEventLog
 from rollout_engine.config import EngineConfig
 from rollout_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from rollout_engine.protocol import MemoryState, SleepLevel
+from rollout_engine.worker.cuda_graphs import DecodeGraphs
 from rollout_engine.worker.engine_memory import EngineMemory
 from rollout_engine.worker.kv_cache_spec import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -58,6 +59,7 @@ class Worker:
 
         def after_update() -> None:
             on_weight_update()
+            self.model_runner.refresh_graphs()
             self._return_cached_device_memory()  # the update's staging copies
 
         self.weights = WeightUpdater(model, self.memory, event_log, after_update)
@@ -66,11 +68,23 @@ class Worker:
             cache_config, self._kv_cache_bytes(config, hf_config, weights_pool.num_bytes)
         )
         layout = kv_cache_layout(self.device)
+        # CUDA graphs pad batches; padding rows write to one block outside the pool.
+        num_scratch_blocks = 1 if model_config.cuda_graphs else 0
         kv_storage = self.memory.allocate_kv_cache(
-            kv_spec.storage_shape(layout, self.num_blocks), self.dtype
+            kv_spec.storage_shape(layout, self.num_blocks + num_scratch_blocks), self.dtype
         )
+        kv_caches = layout.logical_view(kv_storage)
+        decode_graphs = None
+        if model_config.cuda_graphs:
+            decode_graphs = DecodeGraphs(
+                model, kv_caches, cache_config.block_size,
+                max_batch_size=config.scheduler_config.max_num_seqs,
+                max_blocks_per_seq=-(-max_model_len // cache_config.block_size),
+                max_model_len=max_model_len,
+                scratch_block=self.num_blocks,
+            )
         self.model_runner = ModelRunner(
-            model, layout.logical_view(kv_storage), cache_config.block_size, model_config.seed
+            model, kv_caches, cache_config.block_size, model_config.seed, decode_graphs
         )
 
     def check_ready(self) -> None:
@@ -105,6 +119,7 @@ class Worker:
 
     def wake_up(self, tags: Sequence[str]) -> None:
         self.memory.wake_up(tags)
+        self.model_runner.refresh_graphs()
 
     def release_kv_cache(self) -> None:
         self.memory.release_kv_cache()

@@ -482,3 +482,16 @@ def test_cuda_logits_match_cpu() -> None:
     for cpu_result, cuda_result in zip(on_cpu, on_cuda):
         assert cpu_result.token_ids == cuda_result.token_ids
         assert max(abs(a - b) for a, b in zip(cpu_result.logprobs, cuda_result.logprobs)) <= 1e-4
+
+
+def test_vectorised_uniforms_equal_the_scalar_ones() -> None:
+    import numpy as np
+
+    from rollout_engine.worker.sampler import position_uniforms
+
+    seeds = [request_stream_seed(s, i) for s in (0, 1, -5, 2**70 + 3) for i in range(3)]
+    indices = list(range(0, 4000, 333))
+    pairs = [(s, i) for s in seeds for i in indices]
+    got = position_uniforms(np.array([s for s, _ in pairs], dtype=np.uint64),
+                            np.array([i for _, i in pairs], dtype=np.int64))
+    assert got.tolist() == [position_uniform(s, i) for s, i in pairs]

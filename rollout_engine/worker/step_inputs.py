@@ -1,0 +1,207 @@
+"""A step's model and sampler inputs, built on the host with array operations.
+
+Per step the host does O(batch) Python work (one pass over the scheduled requests to read
+their lengths, positions, tokens and block tables) and everything per token is numpy:
+positions, the slot mapping and the rows to sample. All arrays then reach the device in
+one copy (`HostStaging`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from kernels import AttentionMetadata
+from rollout_engine.core.scheduler_output import ScheduledRequest
+from rollout_engine.worker.sampler import Sampler, SamplingPlan, SamplingRow, request_stream_seed
+from rollout_engine.worker.staging import HostStaging
+
+_SAMPLING_PREFIX = "sampling."
+
+
+@dataclass
+class StepInputs:
+    """Device tensors for one forward, and what the sampler needs after it."""
+
+    input_ids: torch.Tensor
+    """[T] int64: every scheduled token, request after request (drafts last)."""
+    positions: torch.Tensor
+    """[T] int64."""
+    metadata: AttentionMetadata
+    logits_rows: torch.Tensor
+    """[P] int64: rows of the flat batch whose logits are sampled (last committed token and
+    each draft of every request that samples)."""
+    num_logits_rows: int
+    sampled_request_ids: list[str]
+    sampling_plan: SamplingPlan
+    sampling_tensors: dict[str, torch.Tensor]
+    is_uniform_decode: bool
+    """Every request has exactly one query token and samples it (a plain decode step)."""
+
+
+class BlockTables:
+    """Block tables kept across steps, one row per scheduled request, so a step copies only
+    the blocks allocated since the last one (O(batch) Python, not O(blocks)).
+
+    A row is valid while its request's table is the same list object (the KV cache manager
+    only appends to a live table, and starts a new list after freeing one). Rows of
+    requests missing from a step are recycled.
+    """
+
+    def __init__(self, num_rows: int = 64, num_columns: int = 64) -> None:
+        self.table = np.zeros((num_rows, num_columns), dtype=np.int32)
+        self._rows: dict[str, tuple[list[int], int, int]] = {}
+        """request id -> (its table list, row, entries written)."""
+
+    def gather(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
+        """[num_reqs, max blocks] int32: each request's table, padded with 0."""
+        previous, self._rows = self._rows, {}
+        num_blocks = np.fromiter((len(r.block_ids) for r in scheduled), np.int64, len(scheduled))
+        max_blocks = max(int(num_blocks.max(initial=0)), 1)
+        if max_blocks > self.table.shape[1]:
+            self._grow(self.table.shape[0], max(max_blocks, 2 * self.table.shape[1]))
+        rows = np.empty(len(scheduled), dtype=np.int64)
+        fresh: list[int] = []  # requests whose table this object has not seen
+        for i, req in enumerate(scheduled):
+            entry = previous.get(req.request_id)
+            if entry is None or entry[0] is not req.block_ids:
+                fresh.append(i)
+                continue
+            ids, row, written = entry
+            if written < len(ids):
+                self.table[row, written : len(ids)] = ids[written:]
+            self._rows[req.request_id] = (ids, row, len(ids))
+            rows[i] = row
+        if fresh:
+            used = {entry[1] for entry in self._rows.values()}
+            if len(used) + len(fresh) > self.table.shape[0]:
+                num_rows = max(len(used) + len(fresh), 2 * self.table.shape[0])
+                self._grow(num_rows, self.table.shape[1])
+            free_rows = (row for row in range(self.table.shape[0]) if row not in used)
+            for i, row in zip(fresh, free_rows):
+                ids = scheduled[i].block_ids
+                self.table[row, : len(ids)] = ids
+                self._rows[scheduled[i].request_id] = (ids, row, len(ids))
+                rows[i] = row
+        tables = self.table[rows, :max_blocks]  # a copy: the padding below is ours
+        tables[np.arange(max_blocks) >= num_blocks[:, None]] = 0
+        return tables
+
+    def _grow(self, num_rows: int, num_columns: int) -> None:
+        grown = np.zeros((num_rows, num_columns), dtype=np.int32)
+        grown[: self.table.shape[0], : self.table.shape[1]] = self.table
+        self.table = grown
+
+
+def host_arrays(
+    scheduled: list[ScheduledRequest], block_size: int, block_tables: BlockTables
+) -> tuple[dict[str, np.ndarray], list[int]]:
+    """Model inputs as numpy arrays, and the query lengths as a list."""
+    num_reqs = len(scheduled)
+    query_lens = np.fromiter((len(r.input_token_ids) for r in scheduled), np.int64, num_reqs)
+    starts = np.fromiter((r.start_position for r in scheduled), np.int64, num_reqs)
+    num_tokens = int(query_lens.sum())
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    input_ids = np.fromiter(
+        chain.from_iterable(r.input_token_ids for r in scheduled), np.int64, num_tokens
+    )
+    req_of_token = np.repeat(np.arange(num_reqs), query_lens)  # [T]
+    positions = (
+        np.arange(num_tokens) - query_start_loc[req_of_token] + starts[req_of_token]
+    )  # [T]
+    tables = block_tables.gather(scheduled)
+    slot_mapping = (
+        tables[req_of_token, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
+    seq_lens = starts + query_lens
+    arrays = {
+        "input_ids": input_ids,
+        "positions": positions,
+        "slot_mapping": slot_mapping,
+        "query_start_loc": query_start_loc.astype(np.int32),
+        "seq_lens": seq_lens.astype(np.int32),
+        "block_tables": tables,
+    }
+    return arrays, query_lens.tolist()
+
+
+def logits_rows(scheduled: list[ScheduledRequest], query_start_loc: np.ndarray) -> np.ndarray:
+    """Rows of the flat batch to sample: each sampling request's last committed token and
+    its drafts (the last num_spec_tokens + 1 rows of its query)."""
+    needs = np.fromiter((r.needs_sample for r in scheduled), bool, len(scheduled))
+    counts = np.fromiter((r.num_spec_tokens + 1 for r in scheduled), np.int64, len(scheduled))
+    ends, counts = query_start_loc[1:][needs], counts[needs]
+    first_of_row = np.repeat(ends - counts, counts)
+    offset_in_row = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return first_of_row + offset_in_row
+
+
+def sampling_row(req: ScheduledRequest) -> SamplingRow:
+    params = req.sampling_params
+    history: list[int] = []
+    if params.repetition_penalty != 1.0:
+        history = req.prompt_token_ids + req.output_token_ids
+    drafts = req.input_token_ids[len(req.input_token_ids) - req.num_spec_tokens :]
+    seed = params.seed
+    return SamplingRow(
+        params=params,
+        stream_seed=None if seed is None else request_stream_seed(seed, req.sample_index),
+        token_history=history,
+        draft_token_ids=drafts if req.num_spec_tokens else [],
+        first_output_index=req.num_output_tokens,
+    )
+
+
+def build_step_inputs(
+    scheduled: list[ScheduledRequest],
+    block_size: int,
+    vocab_size: int,
+    sampler: Sampler,
+    staging: HostStaging,
+    block_tables: BlockTables,
+    host_block_tables: bool = False,
+) -> StepInputs:
+    """Host arrays for the forward and the sampler, moved to the device in one copy.
+
+    `host_block_tables` also hands the kernels the tables as lists (the CPU kernels plan
+    on the host; it costs O(blocks) Python).
+    """
+    arrays, query_lens = host_arrays(scheduled, block_size, block_tables)
+    arrays["logits_rows"] = logits_rows(scheduled, arrays["query_start_loc"])
+    sampled = [r for r in scheduled if r.needs_sample]
+    plan = sampler.plan([sampling_row(r) for r in sampled], vocab_size)
+    for name, array in plan.arrays.items():
+        arrays[_SAMPLING_PREFIX + name] = array
+    on_device = staging.upload(arrays)
+    seq_lens = arrays["seq_lens"].tolist()
+    metadata = AttentionMetadata(
+        slot_mapping=on_device["slot_mapping"],
+        query_start_loc=on_device["query_start_loc"],
+        seq_lens=on_device["seq_lens"],
+        block_tables=on_device["block_tables"],
+        block_size=block_size,
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        block_tables_cpu=[list(r.block_ids) for r in scheduled] if host_block_tables else None,
+    )
+    return StepInputs(
+        input_ids=on_device["input_ids"],
+        positions=on_device["positions"],
+        metadata=metadata,
+        logits_rows=on_device["logits_rows"],
+        num_logits_rows=len(arrays["logits_rows"]),
+        sampled_request_ids=[r.request_id for r in sampled],
+        sampling_plan=plan,
+        sampling_tensors={
+            name[len(_SAMPLING_PREFIX) :]: t
+            for name, t in on_device.items()
+            if name.startswith(_SAMPLING_PREFIX)
+        },
+        is_uniform_decode=len(sampled) == len(scheduled)
+        and all(q == 1 for q in query_lens),
+    )

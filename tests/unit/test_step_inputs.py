@@ -1,0 +1,175 @@
+"""Host work per step: vectorised inputs, one packed upload, and no host sync but the last."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kernels import AttentionMetadata
+from rollout_engine.core.scheduler_output import ScheduledRequest
+from rollout_engine.protocol import SamplingParams
+from rollout_engine.worker.sampler import Sampler
+from rollout_engine.worker.staging import HostStaging
+from rollout_engine.worker.step_inputs import BlockTables, build_step_inputs
+from tests.unit.test_sampler import make_row, random_logits
+
+BLOCK_SIZE = 4
+VOCAB_SIZE = 300
+
+# Ops whose result the host must wait for (their output size or value depends on data).
+_SYNCING_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "is_nonzero",
+                "equal", "repeat_interleave")
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts the ops that make the host wait for the device (on a GPU they sync; on the
+    CPU they would, if the tensors lived on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: Counter[str] = Counter()
+        self.num_ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        if not name.startswith("lift_fresh"):  # wrapping a fresh host array is no work
+            self.num_ops += 1
+        if any(op in name for op in _SYNCING_OPS):
+            self.syncs[name] += 1
+        if name.startswith(("index.", "index_put")):  # a boolean mask index means nonzero
+            indices = args[1] if len(args) > 1 else []
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices):
+                self.syncs["boolean mask index"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def random_step(seed: int, num_reqs: int = 12) -> list[ScheduledRequest]:
+    """Prefill chunks, decodes and drafting decodes, with random block tables."""
+    rng = random.Random(seed)
+    free_blocks = list(range(200))
+    rng.shuffle(free_blocks)
+    scheduled = []
+    for i in range(num_reqs):
+        kind = rng.choice(["prefill", "decode", "draft", "partial"])
+        start = rng.randrange(0, 40)
+        num_spec = rng.randrange(1, 4) if kind == "draft" else 0
+        query_len = {"prefill": rng.randrange(2, 20), "partial": rng.randrange(2, 9)}.get(
+            kind, 1 + num_spec
+        )
+        num_blocks = -(-(start + query_len) // BLOCK_SIZE) + rng.randrange(0, 2)
+        blocks = [free_blocks.pop() for _ in range(num_blocks)]
+        params = rng.choice([
+            SamplingParams(temperature=0.0),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=i),
+            SamplingParams(top_k=5, min_p=0.05, repetition_penalty=1.3),
+        ])
+        scheduled.append(ScheduledRequest(
+            request_id=f"r{i}",
+            input_token_ids=[rng.randrange(VOCAB_SIZE) for _ in range(query_len)],
+            start_position=start,
+            block_ids=blocks,
+            num_spec_tokens=num_spec,
+            needs_sample=kind != "partial",
+            sampling_params=params,
+            num_output_tokens=rng.randrange(0, 5),
+            prompt_token_ids=[rng.randrange(VOCAB_SIZE) for _ in range(5)],
+            output_token_ids=[rng.randrange(VOCAB_SIZE) for _ in range(3)],
+        ))
+    return scheduled
+
+
+def per_token_reference(scheduled: list[ScheduledRequest]):
+    """The inputs built one token at a time in Python (the path this replaced)."""
+    input_ids, positions, rows, end = [], [], [], 0
+    for req in scheduled:
+        input_ids.extend(req.input_token_ids)
+        positions.extend(range(req.start_position, req.start_position + len(req.input_token_ids)))
+        end += len(req.input_token_ids)
+        if req.needs_sample:
+            rows.extend(range(end - req.num_spec_tokens - 1, end))
+    metadata = AttentionMetadata.build(
+        query_lens=[len(r.input_token_ids) for r in scheduled],
+        seq_lens=[r.start_position + len(r.input_token_ids) for r in scheduled],
+        block_tables=[r.block_ids for r in scheduled],
+        block_size=BLOCK_SIZE,
+    )
+    return input_ids, positions, rows, metadata
+
+
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("seed", range(5))
+def test_step_inputs_match_the_per_token_build(seed: int, pack: bool) -> None:
+    scheduled = random_step(seed)
+    staging = HostStaging("cpu", pack=pack)
+    step = build_step_inputs(scheduled, BLOCK_SIZE, VOCAB_SIZE, Sampler(), staging,
+                             BlockTables(), host_block_tables=True)
+    input_ids, positions, rows, expected = per_token_reference(scheduled)
+    assert step.input_ids.tolist() == input_ids
+    assert step.positions.tolist() == positions
+    assert step.logits_rows.tolist() == rows and step.num_logits_rows == len(rows)
+    got = step.metadata
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+        assert getattr(got, name).dtype == getattr(expected, name).dtype, name
+    assert got.query_lens_cpu == expected.query_lens_cpu
+    assert got.seq_lens_cpu == expected.seq_lens_cpu
+    assert got.block_tables_cpu == expected.block_tables_cpu
+    assert step.sampled_request_ids == [r.request_id for r in scheduled if r.needs_sample]
+    assert staging.num_copies == (1 if pack else 0)
+
+
+def test_packed_upload_keeps_dtypes_shapes_and_values_across_slot_reuse() -> None:
+    staging = HostStaging("cpu", num_slots=2, pack=True)
+    rng = np.random.default_rng(0)
+    for step in range(5):
+        arrays = {
+            "a": rng.integers(0, 1 << 40, size=(3 + step,), dtype=np.int64),
+            "b": rng.random((2, 5 + step)).astype(np.float32),  # odd byte counts: alignment
+            "c": rng.integers(0, 100, size=(7,), dtype=np.int32),
+            "d": rng.random(0),
+            "u": rng.random((step + 1,)),
+        }
+        tensors = staging.upload(arrays)
+        for name, array in arrays.items():
+            assert tensors[name].dtype == torch.from_numpy(array).dtype
+            assert np.array_equal(tensors[name].numpy(), array), name
+    assert staging.num_copies == 5
+
+
+def test_sampling_on_the_device_never_syncs_before_its_one_copy() -> None:
+    rows = [
+        make_row(temperature=0.0, drafts=[1, 2]),
+        make_row(temperature=0.9, top_k=3),
+        make_row(seed=1, top_p=0.5, drafts=[4]),
+        make_row(temperature=1.3, repetition_penalty=1.5, history=[1, 2, 3]),
+        make_row(seed=2, top_k=200, min_p=0.1),
+        make_row(temperature=0.0, repetition_penalty=1.2, history=[9]),
+    ]
+    logits = random_logits(9, 256)
+    sampler = Sampler(exact_in_one_pass=True)
+    plan = sampler.plan(rows, 256)
+    tensors = {name: torch.from_numpy(a) for name, a in plan.arrays.items()}
+    with SyncCounter() as counter:
+        results = sampler.sample(logits, plan, tensors)
+    assert counter.syncs == Counter()
+    # The same tokens as the partial sort with its (syncing) fallback; the counter sees it.
+    partial = Sampler(exact_in_one_pass=False)
+    plan = partial.plan(rows, 256)
+    tensors = {name: torch.from_numpy(a) for name, a in plan.arrays.items()}
+    with SyncCounter() as counter:
+        assert partial.sample(logits, plan, tensors) == results
+    assert counter.syncs["_local_scalar_dense.default"] >= 1
+
+
+def test_building_a_step_is_host_only() -> None:
+    """No tensor op at all runs before the upload: the host work is numpy."""
+    scheduled = random_step(3)
+    with SyncCounter() as counter:
+        build_step_inputs(scheduled, BLOCK_SIZE, VOCAB_SIZE, Sampler(), HostStaging("cpu"),
+                          BlockTables())
+    assert counter.num_ops == 0
