@@ -67,7 +67,7 @@ def run_config(args: argparse.Namespace, model_dir: Path, sleep_level: int | Non
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig
 
-    from examples.ppo_colocate import make_dataset, make_digit_reward
+    from examples.ppo_colocate import make_dataset, make_reward
     from trainer_bridge import EngineClient
     from trainer_bridge.server_process import EngineServer
     from trainer_bridge.timeline import MemoryTimeline
@@ -92,7 +92,7 @@ def run_config(args: argparse.Namespace, model_dir: Path, sleep_level: int | Non
         )
         timeline = MemoryTimeline({"trainer": os.getpid(), "engine": server.pid}, hz=args.hz)
         trainer = EngineGRPOTrainer(
-            model=model, reward_funcs=make_digit_reward(tokenizer), args=config,
+            model=model, reward_funcs=make_reward(tokenizer), args=config,
             train_dataset=make_dataset(args.batch * args.steps, 0), processing_class=tokenizer,
             engine=client, sleep_level=sleep_level, timeline=timeline,
         )

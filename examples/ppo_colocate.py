@@ -1,8 +1,12 @@
-"""PPO-style RL through the rollout engine: TRL's GRPOTrainer teaches a random model to answer in digits.
+"""PPO-style RL through the rollout engine: TRL's GRPOTrainer teaches a random model to obey its prompt.
 
 TRL removed its `PPOTrainer` in 2026; `GRPOTrainer` is the maintained trainer of that family:
 PPO's clipped surrogate objective, with each completion's advantage taken relative to the
 other completions of the same prompt (its group) instead of from a learned value model.
+Here each rollout is optimised on once, so the policy ratio is 1 and the clipping never
+binds (TRL's clip ratio, printed, stays 0): the update is a policy gradient with
+group-relative advantages. `num_iterations > 1` in GRPOConfig reuses each rollout for
+several passes, which is where the clip acts.
 
 The trainer and the engine share the machine, in TRL's colocate choreography: each step the
 engine generates, then sleeps (level 2: its weight and KV memory go back to the OS) while the
@@ -10,22 +14,30 @@ trainer trains; before the next rollout the engine wakes its weights, receives t
 new ones, resets its prefix cache and wakes its KV cache. Both processes' memory is sampled
 throughout, with each phase marked.
 
-The task is verifiable and the reward programmatic: the fraction of completion tokens that
-are digits. A random model starts near 2%; the reward rises within a few dozen steps.
+The task depends on the prompt and the reward is programmatic: a prompt starts with
+"digits:" or "words:" (half each), and the reward is the fraction of completion tokens that
+obey it (digit tokens, or tokens of a fixed list of words). A policy that ignores its prompt
+earns at most 0.5; a random model starts near 0.05 and reaches 1.0 within 100 steps (about
+45 s on two CPU cores), answering digits to one instruction and words to the other. TRL's
+importance-sampling metrics (the engine's sampling logprobs against the trainer's) are
+printed and plotted: with the trainer and the engine on the same weights and precision the
+ratio stays at 1. The engine's weight and KV pools are plotted as `memory_state()` reports
+them, leaving at every sleep and coming back at every wake.
 
     python examples/ppo_colocate.py                          # tiny model, engine started here
     python examples/ppo_colocate.py --model DIR --engine 127.0.0.1:50051
     accelerate launch --multi_gpu --num_processes 2 examples/ppo_colocate.py
         # two trainer processes (gloo on CPU), each with its own engine: one engine per device
 
-Writes to --out (default out/): reward_curve.png, rewards.json, memory_timeline.json and
-memory_timeline.png.
+Writes to --out (default out/): reward_curve.png (reward, importance-sampling ratio,
+logprob difference, clip ratio), rewards.json, memory_timeline.json and memory_timeline.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -56,11 +68,12 @@ from trainer_bridge.timeline import (
 )
 from trainer_bridge.trl import EngineGRPOTrainer
 
+# Words the tiny model's tokenizer encodes as one token each (" car" is one token), the
+# answers "words:" asks for.
 WORDS = (
-    "river", "car", "feet", "care", "second", "book", "carry", "took", "science", "eat",
-    "room", "friend", "began", "idea", "fish", "mountain", "north", "open", "seem", "together",
-    "next", "white", "children", "begin", "walk", "example", "paper", "group", "music",
-    "those", "both", "mark", "often", "letter", "until", "mile",
+    "a", "again", "an", "as", "be", "car", "do", "does", "ever", "for", "go", "hear", "in", "is",
+    "list", "man", "mind", "no", "of", "on", "or", "plan", "read", "see", "set", "so", "the",
+    "time", "to", "until", "us", "who",
 )
 NUM_REPORT_STEPS = 5  # "first steps" and "last steps" of the reward summary
 
@@ -71,15 +84,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine", help="address of a running engine (comma-separated, one per "
                         "trainer process); default: start one per process")
     parser.add_argument("--out", default=str(REPO_ROOT / "out"), help="output dir (default: out/)")
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps")
     parser.add_argument("--batch", type=int, default=32, help="completions per step and process")
     parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt")
-    parser.add_argument("--max-completion-length", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=5e-3)
+    parser.add_argument("--max-completion-length", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sleep-level", type=int, default=2, choices=[0, 1, 2],
                         help="engine sleep level while training; 0 never sleeps")
-    parser.add_argument("--kv-cache-mib", type=int, default=16, help="KV pool of a started engine")
+    parser.add_argument("--kv-cache-mib", type=int, default=256, help="KV pool of a started engine")
     parser.add_argument("--hz", type=float, default=50.0, help="memory samples per second")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads of the trainer and of a started engine: they share the "
@@ -87,27 +100,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def digit_token_ids(tokenizer) -> set[int]:
-    ids = {tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
-    if tokenizer.unk_token_id in ids or None in ids:
+def make_reward(tokenizer):
+    """Reward by the prompt's instruction: "digits:" asks for digit tokens, "words:" for
+    the words above; the fraction of completion tokens that comply."""
+    digits = {tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
+    words = {i for w in WORDS for i in tokenizer(" " + w, add_special_tokens=False)["input_ids"]}
+    if tokenizer.unk_token_id in digits or None in digits:
         raise ValueError("this tokenizer has no single-token digits; pick another model")
-    return ids
 
+    def instruction_reward(completion_ids: list[list[int]], mode: list[str], **kwargs) -> list[float]:
+        return [sum(t in (digits if m == "digits" else words) for t in ids) / max(len(ids), 1)
+                for ids, m in zip(completion_ids, mode, strict=True)]
 
-def make_digit_reward(tokenizer):
-    """Reward: the fraction of a completion's tokens that are digits (computed from ids)."""
-    digits = digit_token_ids(tokenizer)
-
-    def digit_reward(completion_ids: list[list[int]], **kwargs) -> list[float]:
-        return [sum(t in digits for t in ids) / max(len(ids), 1) for ids in completion_ids]
-
-    return digit_reward
+    return instruction_reward
 
 
 def make_dataset(num_prompts: int, seed: int) -> Dataset:
+    """Prompts "digits: w1 w2 w3" or "words: w1 w2 w3", half each, in random order."""
     rng = random.Random(seed)
-    prompts = [f"numbers only: {' '.join(rng.sample(WORDS, 3))}" for _ in range(num_prompts)]
-    return Dataset.from_dict({"prompt": prompts})
+    modes = [rng.choice(("digits", "words")) for _ in range(num_prompts)]
+    prompts = [f"{m}: {' '.join(rng.sample(WORDS, 3))}" for m in modes]
+    return Dataset.from_dict({"prompt": prompts, "mode": modes})
 
 
 def prepare_model(args: argparse.Namespace, state: PartialState) -> Path:
@@ -141,18 +154,30 @@ def connect_engine(args, state: PartialState, model_dir: Path) -> tuple[EngineCl
     return client, server, pid
 
 
+# TRL's per-step metrics the demo keeps, printed and plotted.
+METRICS = (
+    "reward", "reward_std",
+    "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max", "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max", "clip_ratio/region_mean",
+)
+
+
 class RewardProgress(TrainerCallback):
-    """A tqdm bar over optimizer steps showing the mean reward; keeps the reward curve."""
+    """A tqdm bar over optimizer steps showing the mean reward; keeps TRL's metrics."""
 
     def __init__(self, num_steps: int, is_main_process: bool) -> None:
         self.bar = tqdm(total=num_steps, desc="GRPO", unit="step", disable=not is_main_process)
-        self.rewards: list[float] = []
-        self.reward_stds: list[float] = []
+        self.metrics: dict[str, list[float]] = {name: [] for name in METRICS}
+
+    @property
+    def rewards(self) -> list[float]:
+        return self.metrics["reward"]
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "reward" in logs:
-            self.rewards.append(float(logs["reward"]))
-            self.reward_stds.append(float(logs.get("reward_std", 0.0)))
+            for name in METRICS:
+                self.metrics[name].append(float(logs.get(name, float("nan"))))
             self.bar.set_postfix(reward=f"{self.rewards[-1]:.3f}")
             self.bar.update(state.global_step - self.bar.n)
 
@@ -167,11 +192,12 @@ def build_trainer(args, model_dir: Path, client: EngineClient, timeline, progres
         output_dir=str(Path(args.out) / "trainer"), per_device_train_batch_size=args.batch,
         num_generations=args.num_generations, max_completion_length=args.max_completion_length,
         learning_rate=args.lr, lr_scheduler_type="constant", max_steps=args.steps, beta=0.0,
+
         logging_steps=1, report_to="none", save_strategy="no", seed=args.seed,
         use_cpu=not torch.cuda.is_available(), bf16=False, disable_tqdm=True,
     )
     trainer = EngineGRPOTrainer(
-        model=model, reward_funcs=make_digit_reward(tokenizer), args=config,
+        model=model, reward_funcs=make_reward(tokenizer), args=config,
         train_dataset=make_dataset(64 * args.steps, args.seed), processing_class=tokenizer,
         engine=client, sleep_level=args.sleep_level or None, timeline=timeline,
     )
@@ -187,7 +213,7 @@ def show_greedy(trainer: EngineGRPOTrainer, client: EngineClient, is_main_proces
     version = trainer.sync_engine_weights()
     if not is_main_process:
         return
-    prompts = list(make_dataset(2, seed=12345)["prompt"])
+    prompts = ["digits: car the until", "words: car the until"]
     params = SamplingParams(temperature=0.0, max_tokens=trainer.args.max_completion_length)
     for prompt, output in zip(prompts, client.generate(prompts, params), strict=True):
         text = trainer.processing_class.decode(output.outputs[0].token_ids, skip_special_tokens=True)
@@ -200,17 +226,28 @@ def write_outputs(out: Path, progress: RewardProgress, timeline: MemoryTimeline,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    (out / f"rewards{suffix}.json").write_text(json.dumps(
-        {"reward": progress.rewards, "reward_std": progress.reward_stds}))
+    (out / f"rewards{suffix}.json").write_text(json.dumps(progress.metrics))
+    metrics = progress.metrics
     steps = list(range(1, len(progress.rewards) + 1))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, progress.rewards, marker="o", ms=3, label="mean reward")
-    low = [r - s for r, s in zip(progress.rewards, progress.reward_stds, strict=True)]
-    high = [r + s for r, s in zip(progress.rewards, progress.reward_stds, strict=True)]
-    ax.fill_between(steps, low, high, alpha=0.2, label="± std over completions")
-    ax.set(xlabel="optimizer step", ylabel="fraction of digit tokens", ylim=(-0.05, 1.05),
-           title="GRPO through the rollout engine: reward")
-    ax.legend(loc="lower right")
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    top.plot(steps, metrics["reward"], marker="o", ms=3, label="mean reward")
+    low = [r - s for r, s in zip(metrics["reward"], metrics["reward_std"], strict=True)]
+    high = [r + s for r, s in zip(metrics["reward"], metrics["reward_std"], strict=True)]
+    top.fill_between(steps, low, high, alpha=0.2, label="± std over completions")
+    top.set(ylabel="fraction of tokens obeying\nthe prompt's instruction", ylim=(-0.05, 1.05),
+            title="GRPO through the rollout engine")
+    top.legend(loc="upper left", fontsize=8)
+    for key in ("min", "mean", "max"):
+        middle.plot(steps, metrics[f"sampling/importance_sampling_ratio/{key}"], marker=".",
+                    label=f"IS ratio {key}")
+    middle.set(ylabel="engine vs trainer\nimportance-sampling ratio")
+    middle.legend(loc="upper left", fontsize=8)
+    bottom.plot(steps, metrics["sampling/sampling_logp_difference/max"], marker=".",
+                label="max |logp trainer - logp engine|")
+    bottom.plot(steps, metrics["clip_ratio/region_mean"], marker=".",
+                label="PPO clip ratio (region mean)")
+    bottom.set(xlabel="optimizer step", ylabel="logp difference,\nclip ratio")
+    bottom.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(out / f"reward_curve{suffix}.png", dpi=120)
     plt.close(fig)
@@ -219,17 +256,34 @@ def write_outputs(out: Path, progress: RewardProgress, timeline: MemoryTimeline,
                   title="trainer and engine memory, GRPO steps (colocated)")
 
 
+def finite_mean(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return statistics.mean(finite) if finite else float("nan")
+
+
 def print_summary(progress: RewardProgress, timeline: MemoryTimeline, out: Path, suffix: str) -> bool:
-    """Print the reward rise, phase times and output paths; False if the reward fell short
-    (judged only when the first and last NUM_REPORT_STEPS steps do not overlap)."""
+    """Print the reward rise, TRL's sampling metrics, phase times, pool bytes and output
+    paths; False if the reward fell short (judged only when the first and last
+    NUM_REPORT_STEPS steps do not overlap)."""
     num_steps = min(NUM_REPORT_STEPS, len(progress.rewards) // 2) or 1
     first = statistics.mean(progress.rewards[:num_steps])
     last = statistics.mean(progress.rewards[-num_steps:])
     print(f"mean reward, first {num_steps} steps: {first:.3f}; last {num_steps} steps: {last:.3f}")
+    metrics = progress.metrics
+    print("importance-sampling ratio (engine vs trainer logprobs): mean "
+          f"{finite_mean(metrics['sampling/importance_sampling_ratio/mean']):.6f}, min "
+          f"{min(metrics['sampling/importance_sampling_ratio/min']):.6f}, max "
+          f"{max(metrics['sampling/importance_sampling_ratio/max']):.6f}; "
+          f"max |logp difference| {max(metrics['sampling/sampling_logp_difference/max']):.2e}; "
+          f"PPO clip ratio (mean) {finite_mean(metrics['clip_ratio/region_mean']):.4f}")
     summary = timeline.summary()
     split = ", ".join(f"{name} {summary['phases'][name]['median_duration_s'] * 1e3:.0f} ms"
                       for name in STEP_PHASES if name in summary["phases"])
     print(f"median phase times: {split}")
+    released = summary.get("pool_bytes_released_per_sleep")
+    if released:
+        print(f"engine pools released per sleep: {released / 2**20:.0f} MiB "
+              f"(memory_state(), weights + KV cache)")
     print(f"combined peak memory: {summary['combined_peak_bytes'] / 2**20:.0f} MiB "
           f"({summary['samples_per_s']:.0f} samples/s)")
     for name in ("reward_curve", "memory_timeline"):

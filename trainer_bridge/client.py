@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Self, TypeVar
 
 import grpc
@@ -187,27 +187,45 @@ class EngineClient:
     # --------------------------------------------------------------------- weight updates
     def update_weights(
         self,
-        weights: torch.nn.Module | dict[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
+        weights: torch.nn.Module
+        | dict[str, torch.Tensor]
+        | Iterable[tuple[str, torch.Tensor]],
         transport: str = "auto",
         bucket_bytes: int = transports.DEFAULT_BUCKET_BYTES,
         timeout: float | None = None,
+        *,
+        manifest: transports.WeightManifest | None = None,
+        dtype: torch.dtype | None = None,
     ) -> int:
         """Replace the served weights (Hugging Face names); returns the new weight version.
+
+        Without `manifest`, `weights` is a module, a mapping or (name, tensor) pairs. With it,
+        `weights` is read once, in the manifest's order, and each tensor is copied into a
+        transport bucket as it is yielded: a generator that gathers or merges parameters
+        while it iterates works, and only the buckets are held beyond the model. A tensor
+        that differs from its manifest entry ends the update with WeightUpdateError.
+        `dtype` casts each tensor as it is sent (the engine refuses other dtypes).
 
         transport "auto": cuda_ipc for CUDA tensors and a CUDA server on this host, shm for
         a server on this host, stream otherwise. The server validates every name, shape and
         dtype before writing a byte; an update cut off halfway leaves generation refused
         until a complete update lands."""
-        tensors = transports.named_tensors(weights)
-        kind = self._resolve_transport(transport, tensors)
+        if manifest is None:
+            weights = transports.named_tensors(weights)
+            manifest = transports.WeightManifest.of(weights)
+        manifest = manifest.cast(dtype)
+        kind = self._resolve_transport(transport, manifest)
         acks = transports.Acks()
         if kind == "stream":
+            reader = transports.TensorReader(weights, manifest, torch.device("cpu"), dtype)
             requests = transports.stream_requests(
-                tensors, min(bucket_bytes, transports.DEFAULT_STREAM_CHUNK_BYTES), acks
+                manifest, reader, min(bucket_bytes, transports.DEFAULT_STREAM_CHUNK_BYTES), acks
             )
         else:
-            requests = transports.shared_requests(tensors, self._shared_slots(
-                kind, tensors, bucket_bytes), acks)
+            device = None if kind == "cuda_ipc" else torch.device("cpu")
+            reader = transports.TensorReader(weights, manifest, device, dtype)
+            slots = self._shared_slots(kind, manifest, bucket_bytes)
+            requests = transports.shared_requests(manifest, reader, slots, acks)
         return self._run_update(transports.guarded(requests, acks), acks, timeout)
 
     def _run_update(self, requests, acks: transports.Acks, timeout: float | None) -> int:
@@ -233,7 +251,7 @@ class EngineClient:
             raise EngineError("the server ended the update without a weight version")
         return version
 
-    def _resolve_transport(self, transport: str, tensors: transports.NamedTensors) -> str:
+    def _resolve_transport(self, transport: str, manifest: transports.WeightManifest) -> str:
         if transport != "auto":
             if transport not in transports.TRANSPORTS:
                 raise ValueError(
@@ -242,7 +260,7 @@ class EngineClient:
             return transport
         if not is_loopback_address(self.address):
             return "stream"
-        if any(t.is_cuda for _, t in tensors) and self._server_is_cuda():
+        if manifest.device.type == "cuda" and self._server_is_cuda():
             return "cuda_ipc"
         return "shm" if os.path.isdir(transports.SHM_DIR) else "stream"
 
@@ -251,16 +269,18 @@ class EngineClient:
             self._server_device = self.info().device
         return self._server_device.startswith("cuda")
 
-    def _shared_slots(self, kind: str, tensors, bucket_bytes: int) -> transports.SharedSlots:
+    def _shared_slots(
+        self, kind: str, manifest: transports.WeightManifest, bucket_bytes: int
+    ) -> transports.SharedSlots:
         """Shared buffers sized for this update, kept for the next one when they still fit."""
-        total = sum(t.numel() * t.element_size() + transports.ALIGNMENT_BYTES for _, t in tensors)
+        total = manifest.num_bytes + transports.ALIGNMENT_BYTES * len(manifest.tensors)
         slot_bytes = max(min(bucket_bytes, total), transports.ALIGNMENT_BYTES)
         slots = self._slots
         fits = slots is not None and slot_bytes <= slots.slot_bytes <= 2 * slot_bytes
         if slots is None or slots.kind != kind or not fits:
             if slots is not None:
                 slots.close()
-            device = next((t.device for _, t in tensors if t.is_cuda), torch.device("cuda"))
+            device = manifest.device if manifest.device.type == "cuda" else torch.device("cuda")
             self._slots = slots = transports.SharedSlots(kind, slot_bytes, device)
         return slots
 

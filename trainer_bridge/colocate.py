@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -28,12 +28,46 @@ from rollout_engine.protocol import (
     check_sleep_mode,
 )
 from trainer_bridge.timeline import MemoryTimeline
-from trainer_bridge.transports import named_tensors
+from trainer_bridge.transports import ManifestMismatchError, TensorMeta, WeightManifest
 
 if TYPE_CHECKING:
     from trainer_bridge.client import EngineClient
 
-Weights = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+class StreamedWeights:
+    """Weights made afresh by `iterate()` at every sync and read once, as they are made.
+
+    Each tensor is copied into a transport bucket when it is yielded, so an iterator that
+    gathers sharded parameters or merges LoRA adapters while it runs (see
+    `trainer_weights.iter_policy_weights`) sends what it yields, and the sync holds only the
+    buckets beyond the model. The manifest (names, shapes, dtypes) is read by one pass the
+    first time and kept; when the tensors stop matching it, it is read again.
+    """
+
+    def __init__(self, iterate: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> None:
+        self.iterate = iterate
+        self._manifest: WeightManifest | None = None
+
+    def manifest(self) -> WeightManifest:
+        if self._manifest is None:
+            entries, device = [], torch.device("cpu")
+            for name, tensor in self.iterate():
+                entries.append(TensorMeta(name, tuple(tensor.shape), tensor.dtype))
+                if tensor.is_cuda:
+                    device = tensor.device
+            self._manifest = WeightManifest(tuple(entries), device)
+        return self._manifest
+
+    def forget_manifest(self) -> None:
+        self._manifest = None
+
+
+Weights = (
+    torch.nn.Module
+    | Mapping[str, torch.Tensor]
+    | Iterable[tuple[str, torch.Tensor]]
+    | StreamedWeights
+)
 
 
 def release_trainer_cache() -> None:
@@ -76,14 +110,20 @@ class Colocation:
         sleep_mode: SleepMode = "abort",
         timeline: MemoryTimeline | None = None,
         transport: str = "auto",
-        weight_dtype: torch.dtype | None = None,
+        weight_dtype: torch.dtype | Literal["engine"] | None = None,
     ) -> None:
         self.sleep_level = None if sleep_level is None else SleepLevel.parse(sleep_level)
         self.sleep_mode = check_sleep_mode(sleep_mode)
         self.timeline = timeline
         self.transport = transport
+        if not (weight_dtype is None or weight_dtype == "engine"
+                or isinstance(weight_dtype, torch.dtype)):
+            raise ValueError(f"weight_dtype must be None, 'engine' or a torch.dtype, "
+                             f"got {weight_dtype!r}")
         self.weight_dtype = weight_dtype
-        """Cast pushed tensors to this dtype; None: the engine's dtype (asked once)."""
+        """Cast pushed tensors to this dtype as they are sent ("engine": the engine's dtype);
+        None sends them as they are, and the engine refuses a dtype other than its own."""
+        self.num_weight_pushes = 0
         self.weight_version = 0
         self.attach(client)
 
@@ -106,6 +146,20 @@ class Colocation:
         generation, then put it to sleep. Without `weights` the engine generates with what it
         holds (after a level-1 sleep: the weights it had); after a level-2 sleep, which
         discards them, weights must be given."""
+        client = self.prepare_rollout(weights)
+        with self._phase("generate"):
+            try:
+                yield client
+            except EngineError:
+                raise  # the engine failed: a sleep call would fail (or hang) the same way
+            except BaseException:
+                self.sleep()
+                raise
+        self.sleep()
+
+    def prepare_rollout(self, weights: Weights | None = None) -> EngineClient:
+        """`rollout()`'s first half, for rollouts of several calls (turns): the engine stays
+        awake until `sleep()`. Weights are pushed only when given."""
         self.end_training()
         if weights is not None:
             self.sync_weights(weights)
@@ -117,15 +171,15 @@ class Colocation:
             self._verb("wake_weights", self.client.wake_up, [WEIGHTS_TAG])
             self.is_weights_awake = True
         self.wake_kv_cache()
-        with self._phase("generate"):
-            try:
-                yield self.client
-            except EngineError:
-                raise  # the engine failed: a sleep call would fail (or hang) the same way
-            except BaseException:
-                self.sleep()
-                raise
-        self.sleep()
+        return self.client
+
+    def generate_phase(self) -> contextlib.AbstractContextManager:
+        """Marks one generation call (one turn) as a "generate" phase of the timeline."""
+        return self._phase("generate")
+
+    @property
+    def is_awake(self) -> bool:
+        return self.is_weights_awake or self.is_kv_awake
 
     @contextlib.contextmanager
     def training(self) -> Iterator[None]:
@@ -155,11 +209,9 @@ class Colocation:
         if not self.is_weights_awake:
             self._verb("wake_weights", self.client.wake_up, [WEIGHTS_TAG])
             self.is_weights_awake = True
-        tensors = self._cast(weights)
-        self.weight_version = self._verb(
-            "weight_sync", self.client.update_weights, tensors, transport=self.transport
-        )
-        del tensors
+        with self._phase("weight_sync"):
+            self.weight_version = self._push(weights)
+        self.num_weight_pushes += 1
         self._verb("reset_prefix_cache", self.client.reset_prefix_cache)
         self.needs_weights = self.is_weights_discarded = False
         return self.weight_version
@@ -168,18 +220,30 @@ class Colocation:
         if not self.is_kv_awake:
             self._verb("wake_kv_cache", self.client.wake_up, [KV_CACHE_TAG])
             self.is_kv_awake = True
+            self._record_pools("after_wake")
 
     def sleep(self) -> None:
-        """Sleep at `sleep_level` (nothing when it is None)."""
-        if self.sleep_level is None:
+        """Sleep at `sleep_level` (nothing when it is None or the engine already sleeps)."""
+        if self.sleep_level is None or not self.is_awake:
             return
+        self._record_pools("before_sleep")
         self._verb("sleep", self.client.sleep, self.sleep_level, self.sleep_mode)
+        self._record_pools("after_sleep")
         self.is_kv_awake = False
         self.is_weights_awake = False
         if self.sleep_level == SleepLevel.DISCARD_ALL:
             self.needs_weights = self.is_weights_discarded = True
 
     # --------------------------------------------------------------------------- internals
+    def _record_pools(self, label: str) -> None:
+        """The engine's mapped pool bytes, on the timeline (one memory_state call)."""
+        if self.timeline is None:
+            return
+        state = self.client.memory_state()
+        self.timeline.record_pools(
+            label, {tag: t.num_bytes if t.mapped else 0 for tag, t in state.tags.items()}
+        )
+
     def _verb(self, phase: str, method, *args, **kwargs):
         with self._phase(phase):
             return method(*args, **kwargs)
@@ -187,9 +251,21 @@ class Colocation:
     def _phase(self, name: str) -> contextlib.AbstractContextManager:
         return self.timeline.phase(name) if self.timeline is not None else contextlib.nullcontext()
 
-    def _cast(self, weights: Weights) -> list[tuple[str, torch.Tensor]]:
-        dtype = self.weight_dtype or self._engine_weight_dtype()
-        return [(name, t if t.dtype == dtype else t.to(dtype)) for name, t in named_tensors(weights)]
+    def _push(self, weights: Weights) -> int:
+        dtype = self._engine_weight_dtype() if self.weight_dtype == "engine" else self.weight_dtype
+        if not isinstance(weights, StreamedWeights):
+            return self.client.update_weights(weights, transport=self.transport, dtype=dtype)
+        try:
+            return self.client.update_weights(
+                weights.iterate(), transport=self.transport, dtype=dtype,
+                manifest=weights.manifest(),
+            )
+        except ManifestMismatchError:  # the model changed shape or names since the last sync
+            weights.forget_manifest()
+            return self.client.update_weights(
+                weights.iterate(), transport=self.transport, dtype=dtype,
+                manifest=weights.manifest(),
+            )
 
     def _engine_weight_dtype(self) -> torch.dtype:
         if self._engine_dtype is None:

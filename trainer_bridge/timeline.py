@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -85,6 +86,8 @@ class MemoryTimeline:
         self.rss_bytes: dict[str, list[int]] = {role: [] for role in self.pids}
         self.device_bytes: dict[str, list[int]] = {role: [] for role in self.pids}
         self.phases: list[dict[str, Any]] = []
+        self.pool_records: list[dict[str, Any]] = []
+        """The engine's pools as `memory_state()` reported them: time, label, mapped bytes."""
         self._open: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self._device = _DeviceMemoryReader()
@@ -145,6 +148,12 @@ class MemoryTimeline:
                 next_s, delay_s = time.perf_counter(), 0.0
             self._stop.wait(delay_s)
 
+    def record_pools(self, label: str, mapped_bytes: Mapping[str, int]) -> None:
+        """Record the bytes each engine pool has mapped now ("before_sleep", "after_wake", ...)."""
+        with self._lock:
+            self.pool_records.append({"time_s": time.time() - self.start_s, "label": label,
+                                      "mapped_bytes": dict(mapped_bytes)})
+
     # ------------------------------------------------------------------------------ phases
     def begin(self, name: str, **fields: Any) -> None:
         """Open phase `name` (one open phase per name at a time)."""
@@ -191,6 +200,7 @@ class MemoryTimeline:
                 "rss_bytes": {r: list(v) for r, v in self.rss_bytes.items()},
                 "device_bytes": {r: list(v) for r, v in self.device_bytes.items()},
                 "phases": [dict(p) for p in self.phases],
+                "pool_records": [dict(r) for r in self.pool_records],
             }
 
     def save_json(self, path: str | os.PathLike[str], **extra: Any) -> None:
@@ -229,7 +239,12 @@ def summarize(data: Mapping[str, Any]) -> dict[str, Any]:
             "median_freed_bytes": freed,
         }
     duration_s = times_s[-1] - times_s[0] if len(times_s) > 1 else 0.0
+    records = data.get("pool_records", [])
+    released = [sum(a["mapped_bytes"].values()) - sum(b["mapped_bytes"].values())
+                for a, b in itertools.pairwise(records)
+                if a["label"] == "before_sleep" and b["label"] == "after_sleep"]
     return {
+        "pool_bytes_released_per_sleep": statistics.median(released) if released else 0,
         "combined_peak_bytes": max(combined, default=0),
         "peak_bytes": {r: max((memory(r, i) for i in range(len(times_s))), default=0)
                        for r in roles},
@@ -249,7 +264,8 @@ PHASE_COLORS = {
 
 
 def plot_timeline(data: Mapping[str, Any], path: str | os.PathLike[str], title: str = "") -> None:
-    """Memory of each process and their sum over time, phases shaded; written as a PNG."""
+    """Memory of each process and their sum over time, phases shaded; below, when recorded,
+    the engine's pools as `memory_state()` reported them. Written as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -257,7 +273,12 @@ def plot_timeline(data: Mapping[str, Any], path: str | os.PathLike[str], title: 
 
     mib = 1024.0**2
     times_s = data["time_s"]
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    records = data.get("pool_records", [])
+    if records:
+        fig, (ax, pools) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True,
+                                        gridspec_kw={"height_ratios": [3, 2]})
+    else:
+        fig, ax = plt.subplots(figsize=(11, 4.5))
     total = [0.0] * len(times_s)
     for role in data["rss_bytes"]:
         values = [(r + d) / mib for r, d in zip(data["rss_bytes"][role], data["device_bytes"][role],
@@ -265,17 +286,31 @@ def plot_timeline(data: Mapping[str, Any], path: str | os.PathLike[str], title: 
         total = [t + v for t, v in zip(total, values, strict=True)]
         ax.plot(times_s, values, lw=1.2, label=role)
     ax.plot(times_s, total, lw=1.6, color="black", label="combined")
+    axes = [ax, pools] if records else [ax]
     seen = set()
     for phase in data["phases"]:
         name = phase["name"]
-        ax.axvspan(phase["start_s"], phase["end_s"], alpha=0.15, lw=0,
-                   color=PHASE_COLORS.get(name, "tab:cyan"),
-                   label=None if name in seen else f"phase: {name}")
+        for axis in axes:
+            axis.axvspan(phase["start_s"], phase["end_s"], alpha=0.15, lw=0,
+                         color=PHASE_COLORS.get(name, "tab:cyan"),
+                         label=None if name in seen or axis is not ax else f"phase: {name}")
         seen.add(name)
-    ax.set_xlabel("time (s)")
     ax.set_ylabel("resident + device memory (MiB)")
     ax.set_title(title or "memory timeline")
     ax.legend(loc="upper left", fontsize=7, ncol=2)
+    if records:
+        tags = sorted({tag for r in records for tag in r["mapped_bytes"]})
+        record_times = [r["time_s"] for r in records]
+        bottom = [0.0] * len(records)
+        for tag in tags:
+            values = [r["mapped_bytes"].get(tag, 0) / mib for r in records]
+            top = [b + v for b, v in zip(bottom, values, strict=True)]
+            pools.fill_between(record_times, bottom, top, step="post", alpha=0.6,
+                               label=f"engine pool: {tag}")
+            bottom = top
+        pools.set_ylabel("engine pools mapped\n(memory_state, MiB)")
+        pools.legend(loc="upper left", fontsize=7)
+    axes[-1].set_xlabel("time (s)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

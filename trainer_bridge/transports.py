@@ -1,21 +1,31 @@
 """Weight transports: named tensors packed into buckets and sent as stream chunks, /dev/shm
-segments or CUDA IPC buffers, with the server acknowledging each shared bucket."""
+segments or CUDA IPC buffers, with the server acknowledging each shared bucket.
+
+An update is a `WeightManifest` (names, shapes, dtypes, in order) and a source of tensors in
+that order, read once. The source may be a list, or an iterator that makes each tensor only
+when asked for it (a trainer gathering sharded parameters, or merging LoRA adapters while it
+iterates): each tensor is copied into a bucket as it is yielded, and the iterator is
+advanced only once the tensor's bytes are in a bucket. Beyond the tensor being read, an
+update holds only its buckets.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import threading
 import uuid
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from protos import rollout_pb2 as pb
+from rollout_engine.protocol import WeightUpdateError
 
 TransportName = Literal["stream", "shm", "cuda_ipc"]
 TRANSPORTS: dict[str, int] = {
@@ -49,13 +59,53 @@ def named_tensors(weights: torch.nn.Module | Mapping[str, torch.Tensor] | Iterab
     return pairs
 
 
-def manifest_request(tensors: NamedTensors, transport: TransportName) -> pb.UpdateWeightsRequest:
-    manifest = pb.WeightManifest(transport=TRANSPORTS[transport])
-    for name, tensor in tensors:
-        manifest.tensors.add(
-            name=name, shape=list(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch.")
+@dataclass(frozen=True)
+class TensorMeta:
+    """Name, shape and dtype of one tensor of an update."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class WeightManifest:
+    """What an update sends, in order, and the device its tensors come from."""
+
+    tensors: tuple[TensorMeta, ...]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @classmethod
+    def of(cls, tensors: NamedTensors) -> WeightManifest:
+        device = next((t.device for _, t in tensors if t.is_cuda), torch.device("cpu"))
+        return cls(
+            tuple(TensorMeta(name, tuple(t.shape), t.dtype) for name, t in tensors), device
         )
-    return pb.UpdateWeightsRequest(manifest=manifest)
+
+    def cast(self, dtype: torch.dtype | None) -> WeightManifest:
+        """The manifest of the same tensors sent as `dtype` (None: unchanged)."""
+        if dtype is None:
+            return self
+        return WeightManifest(
+            tuple(TensorMeta(m.name, m.shape, dtype) for m in self.tensors), self.device
+        )
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(m.num_bytes for m in self.tensors)
+
+
+def manifest_request(manifest: WeightManifest, transport: TransportName) -> pb.UpdateWeightsRequest:
+    message = pb.WeightManifest(transport=TRANSPORTS[transport])
+    for meta in manifest.tensors:
+        message.tensors.add(
+            name=meta.name, shape=list(meta.shape), dtype=str(meta.dtype).removeprefix("torch.")
+        )
+    return pb.UpdateWeightsRequest(manifest=message)
 
 
 @dataclass
@@ -68,7 +118,7 @@ class Piece:
     buffer_offset: int
 
 
-def plan_buckets(tensors: NamedTensors, bucket_bytes: int) -> list[list[Piece]]:
+def plan_buckets(manifest: WeightManifest, bucket_bytes: int) -> list[list[Piece]]:
     """Pack tensors in order into buckets of at most `bucket_bytes`. A tensor that fits in a
     bucket is never split (the server then writes it straight from the bucket); only tensors
     larger than a bucket span several."""
@@ -77,8 +127,8 @@ def plan_buckets(tensors: NamedTensors, bucket_bytes: int) -> list[list[Piece]]:
     buckets: list[list[Piece]] = []
     current: list[Piece] = []
     used = 0
-    for index, (_, tensor) in enumerate(tensors):
-        num_bytes, offset = tensor.numel() * tensor.element_size(), 0
+    for index, meta in enumerate(manifest.tensors):
+        num_bytes, offset = meta.num_bytes, 0
         while offset < num_bytes:
             start = -(-used // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
             fits_whole = offset == 0 and num_bytes <= bucket_bytes
@@ -131,21 +181,79 @@ class Acks:
             return not self.is_stopped
 
 
-class _ByteViews:
-    """1-D uint8 views of the tensors, made when first needed (one tensor alive at a time)."""
+class ManifestMismatchError(WeightUpdateError):
+    """The tensors a source yields differ from the update's manifest (checked by the sender,
+    before the bytes leave): the update is abandoned without a commit."""
 
-    def __init__(self, tensors: NamedTensors, device: torch.device | None) -> None:
-        self._tensors, self._device = tensors, device
+
+class TensorReader:
+    """The update's tensors as 1-D byte views, read from `source` in manifest order with one
+    tensor alive at a time (cast to `dtype` first when given, then moved to `device`).
+
+    Each tensor is checked against its manifest entry as it arrives; `finish` checks that the
+    source ends with the manifest, and `close` ends the source early (running an iterator's
+    clean-up, e.g. unmerging adapters) when the update stops halfway.
+    """
+
+    def __init__(
+        self,
+        source: Iterable[tuple[str, torch.Tensor]],
+        manifest: WeightManifest,
+        device: torch.device | None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.is_stable = isinstance(source, list | tuple)
+        """Tensors of a list stay valid after the reader moves on; an iterator's may not
+        (a gather scope closes, an adapter is unmerged), so their bytes are copied out."""
+        self._source = iter(source)
+        self._manifest, self._device, self._dtype = manifest, device, dtype
         self._index, self._view = -1, torch.empty(0, dtype=torch.uint8)
 
     def slice(self, piece: Piece) -> torch.Tensor:
-        if piece.index != self._index:
-            tensor = self._tensors[piece.index][1]
-            if self._device is not None:
-                tensor = tensor.to(self._device)
-            self._index = piece.index
-            self._view = tensor.contiguous().reshape(-1).view(torch.uint8)
+        while self._index < piece.index:
+            self._advance()
         return self._view[piece.tensor_offset : piece.tensor_offset + piece.num_bytes]
+
+    def finish(self) -> None:
+        """Read the rest (tensors of no bytes have no pieces) and check nothing follows."""
+        while self._index < len(self._manifest.tensors) - 1:
+            self._advance()
+        self._view = torch.empty(0, dtype=torch.uint8)
+        extra = next(self._source, None)
+        if extra is not None:
+            self.close()
+            raise ManifestMismatchError(
+                f"the weights yielded {extra[0]!r} after the {len(self._manifest.tensors)} "
+                "tensors of the manifest"
+            )
+
+    def close(self) -> None:
+        self._view = torch.empty(0, dtype=torch.uint8)
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+
+    def _advance(self) -> None:
+        index = self._index + 1
+        meta = self._manifest.tensors[index]
+        item = next(self._source, None)
+        if item is None:
+            raise ManifestMismatchError(
+                f"the weights ended after {index} of the manifest's "
+                f"{len(self._manifest.tensors)} tensors (next expected: {meta.name!r})"
+            )
+        name, tensor = item
+        if self._dtype is not None and tensor.dtype != self._dtype:
+            tensor = tensor.to(self._dtype)
+        if name != meta.name or tuple(tensor.shape) != meta.shape or tensor.dtype != meta.dtype:
+            raise ManifestMismatchError(
+                f"tensor {index} of the weights is {name!r} {tuple(tensor.shape)} {tensor.dtype}"
+                f" but the manifest says {meta.name!r} {meta.shape} {meta.dtype}"
+            )
+        if self._device is not None:
+            tensor = tensor.to(self._device)
+        self._index = index
+        self._view = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def copy_bytes(target: torch.Tensor, source: torch.Tensor) -> None:
@@ -158,9 +266,9 @@ def copy_bytes(target: torch.Tensor, source: torch.Tensor) -> None:
         target.copy_(source, non_blocking=True)
 
 
-def _pieces_proto(tensors: NamedTensors, pieces: list[Piece]) -> list[pb.TensorPiece]:
+def _pieces_proto(manifest: WeightManifest, pieces: list[Piece]) -> list[pb.TensorPiece]:
     return [
-        pb.TensorPiece(name=tensors[p.index][0], tensor_offset=p.tensor_offset,
+        pb.TensorPiece(name=manifest.tensors[p.index].name, tensor_offset=p.tensor_offset,
                        num_bytes=p.num_bytes, buffer_offset=p.buffer_offset)
         for p in pieces
     ]
@@ -170,24 +278,31 @@ def _pieces_proto(tensors: NamedTensors, pieces: list[Piece]) -> list[pb.TensorP
 
 
 def stream_requests(
-    tensors: NamedTensors, chunk_bytes: int, acks: Acks
+    manifest: WeightManifest, reader: TensorReader, chunk_bytes: int, acks: Acks
 ) -> Iterator[pb.UpdateWeightsRequest | bytes]:
     """Manifest, then the bytes inside the messages (pre-serialized), then a commit."""
-    yield manifest_request(tensors, "stream")
-    if not acks.wait_accepted():
-        return
-    views = _ByteViews(tensors, torch.device("cpu"))
-    for pieces in plan_buckets(tensors, chunk_bytes):
-        parts, end = [], 0
-        for piece in pieces:
-            if piece.buffer_offset > end:
-                parts.append(bytes(piece.buffer_offset - end))  # alignment padding
-            parts.append(views.slice(piece).numpy().data)
-            end = piece.buffer_offset + piece.num_bytes
-        yield encode_stream_chunk(_pieces_proto(tensors, pieces), parts, end)
-        if acks.is_stopped:
+    try:
+        yield manifest_request(manifest, "stream")
+        if not acks.wait_accepted():
             return
-    yield pb.UpdateWeightsRequest(commit=pb.CommitWeights())
+        for pieces in plan_buckets(manifest, chunk_bytes):
+            parts: list[bytes | memoryview] = []
+            end = 0
+            for i, piece in enumerate(pieces):
+                if i and piece.index != pieces[i - 1].index and not reader.is_stable:
+                    # The source moves on: an iterator's earlier tensor may not outlive that.
+                    parts = [bytes(p) if isinstance(p, memoryview) else p for p in parts]
+                if piece.buffer_offset > end:
+                    parts.append(bytes(piece.buffer_offset - end))  # alignment padding
+                parts.append(reader.slice(piece).numpy().data)
+                end = piece.buffer_offset + piece.num_bytes
+            yield encode_stream_chunk(_pieces_proto(manifest, pieces), parts, end)
+            if acks.is_stopped:
+                return
+        reader.finish()
+        yield pb.UpdateWeightsRequest(commit=pb.CommitWeights())
+    finally:
+        reader.close()
 
 
 def encode_stream_chunk(pieces: list[pb.TensorPiece], parts: list, num_data_bytes: int) -> bytes:
@@ -299,30 +414,32 @@ def _unlink_all(paths: list[str]) -> None:
 
 
 def shared_requests(
-    tensors: NamedTensors, slots: SharedSlots, acks: Acks
+    manifest: WeightManifest, reader: TensorReader, slots: SharedSlots, acks: Acks
 ) -> Iterator[pb.UpdateWeightsRequest]:
     """Manifest, then descriptors of filled slots (each reused once acknowledged), then commit."""
-    yield manifest_request(tensors, slots.kind)
-    if not acks.wait_accepted():
-        return
-    slots.begin_update()
-    is_cuda = slots.kind == "cuda_ipc"
-    views = _ByteViews(tensors, None if is_cuda else torch.device("cpu"))
-    for bucket_id, pieces in enumerate(plan_buckets(tensors, slots.slot_bytes)):
-        num_slots = slots.num_slots
-        if bucket_id >= num_slots and not acks.wait_done(bucket_id - num_slots):
+    try:
+        yield manifest_request(manifest, slots.kind)
+        if not acks.wait_accepted():
             return
-        slot = bucket_id % num_slots
-        buffer = slots.buffers[slot]
-        for piece in pieces:
-            target = buffer[piece.buffer_offset : piece.buffer_offset + piece.num_bytes]
-            copy_bytes(target, views.slice(piece))
-        if is_cuda:
-            torch.cuda.current_stream(buffer.device).synchronize()
-        bucket = pb.SharedBucket(bucket_id=bucket_id, pieces=_pieces_proto(tensors, pieces))
-        slots.describe(slot, bucket)
-        yield pb.UpdateWeightsRequest(bucket=bucket)
-    yield pb.UpdateWeightsRequest(commit=pb.CommitWeights())
+        slots.begin_update()
+        for bucket_id, pieces in enumerate(plan_buckets(manifest, slots.slot_bytes)):
+            num_slots = slots.num_slots
+            if bucket_id >= num_slots and not acks.wait_done(bucket_id - num_slots):
+                return
+            slot = bucket_id % num_slots
+            buffer = slots.buffers[slot]
+            for piece in pieces:
+                target = buffer[piece.buffer_offset : piece.buffer_offset + piece.num_bytes]
+                copy_bytes(target, reader.slice(piece))
+            if slots.kind == "cuda_ipc":
+                torch.cuda.current_stream(buffer.device).synchronize()
+            bucket = pb.SharedBucket(bucket_id=bucket_id, pieces=_pieces_proto(manifest, pieces))
+            slots.describe(slot, bucket)
+            yield pb.UpdateWeightsRequest(bucket=bucket)
+        reader.finish()
+        yield pb.UpdateWeightsRequest(commit=pb.CommitWeights())
+    finally:
+        reader.close()
 
 
 def guarded(requests: Iterator[pb.UpdateWeightsRequest], acks: Acks):

@@ -1,20 +1,27 @@
 """The rollout engine as the generation backend of TRL's GRPOTrainer (and RLOOTrainer).
 
-TRL's trainers call their backend's `sync_weights()` when the optimizer step changed and
-`generate(prompts, images, num_generations, profiler)`, and apply the importance-sampling
-correction of the sampled logprobs only when `trainer.use_vllm` is true. `EngineGeneration`
-answers those calls through an `EngineClient`, so the correction and the whole vLLM code path
-run with no vLLM installed:
+TRL's trainers call their backend's `sync_weights()` once per optimizer step and
+`generate(prompts, images, num_generations, profiler)` once per turn, and apply the
+importance-sampling correction of the sampled logprobs only when `trainer.use_vllm` is
+true. `EngineGeneration` answers those two calls through an `EngineClient` (it has TRL's
+backend shape, without subclassing TRL's private vLLM class), so the correction and the
+whole vLLM code path run with no vLLM installed:
 
     from trainer_bridge.trl import EngineGRPOTrainer
     trainer = EngineGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...),
                                 train_dataset=dataset, engine="127.0.0.1:50051")
     trainer.train()
 
-With several trainer processes (`accelerate launch`), each process drives its own engine
-(one engine per device), passed as a per-process address; processes never share an engine.
-Train in the engine's precision (`bf16=False` for an fp32 engine; TRL defaults to bf16) so
-that the importance-sampling ratio measures policy staleness, not rounding.
+The colocate choreography: the engine wakes and receives the trainer's weights before the
+first turn of a generation step, stays awake through every turn (tool calls, multi-turn
+`rollout_func`s), and sleeps when the trainer starts computing the loss. Weights stream
+from the trainer into transport buckets one tensor at a time (`trainer_weights`): LoRA
+adapters are merged while they stream, and no copy of the model is made.
+
+Every generation setting of GRPOConfig is honoured or refused when the backend is built
+(`check_generation_settings`). With several trainer processes (`accelerate launch`), each
+process drives its own engine (one engine per device). Train in the engine's precision, or
+pass `weight_dtype="engine"` to cast as the weights are sent.
 """
 
 from __future__ import annotations
@@ -22,60 +29,88 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from trl import GRPOTrainer
-from trl.generation.vllm_generation import VLLMGeneration
 
 from rollout_engine.protocol import EngineError, SamplingParams, SleepLevel
 from trainer_bridge.client import EngineClient
-from trainer_bridge.colocate import Colocation
+from trainer_bridge.colocate import Colocation, StreamedWeights
+from trainer_bridge.trainer_weights import is_sharded, iter_policy_weights
 
 if TYPE_CHECKING:
-    from accelerate import Accelerator
-
     from trainer_bridge.timeline import MemoryTimeline
 
 logger = logging.getLogger(__name__)
 # Keys of TRL's `generation_kwargs` the engine understands (as SamplingParams fields).
 _GENERATION_KWARGS = {"seed", "stop_token_ids", "ignore_eos", "top_k", "top_p", "min_p",
                       "temperature", "repetition_penalty", "max_tokens"}
+# GRPOConfig fields that configure vLLM itself or another generation path: the engine's own
+# server options govern those, so anything but TRL's default is refused, with the way out.
+_REFUSED_UNLESS_DEFAULT = {
+    "vllm_structured_outputs_regex": (None, "the rollout engine has no structured outputs yet"),
+    "vllm_tensor_parallel_size": (1, "serve the engine with the parallelism you need"),
+    "vllm_max_model_length": (None, "start the engine with --max-model-len"),
+    "vllm_gpu_memory_utilization": (0.3, "start the engine with --gpu-memory-utilization"),
+    "vllm_model_impl": ("vllm", "the engine runs its own model implementation"),
+    "use_transformers_continuous_batching": (False, "generation goes through the engine"),
+    "use_transformers_paged": (False, "generation goes through the engine"),
+    "cache_implementation": (None, "generation goes through the engine, not transformers"),
+}
 
 
-class EngineGeneration(VLLMGeneration):
-    """TRL's vLLM backend with the engine behind it. Weight gathering (DeepSpeed ZeRO-3,
-    FSDP 1/2, PEFT merge) is TRL's own `_iter_named_params`; every process walks it, because
-    gathering is collective, and pushes to its own engine."""
+def check_generation_settings(args: Any) -> None:
+    """Refuse, with the fix, every GRPOConfig generation setting the engine would ignore,
+    and re-run the construction-time checks TRL runs only when built with use_vllm=True."""
+    for name, (default, why) in _REFUSED_UNLESS_DEFAULT.items():
+        value = getattr(args, name, default)
+        if value != default:
+            raise ValueError(f"GRPOConfig.{name}={value!r} is not supported with the rollout "
+                             f"engine ({why}); leave it at its default {default!r}")
+    unknown = sorted(set(getattr(args, "generation_kwargs", None) or {}) - _GENERATION_KWARGS)
+    if unknown:
+        raise ValueError(f"generation_kwargs {unknown} are not supported by the rollout engine; "
+                         f"supported: {sorted(_GENERATION_KWARGS)}")
+    mode = getattr(args, "vllm_importance_sampling_mode", None)
+    if (getattr(args, "loss_type", None) == "vespo"
+            and getattr(args, "vllm_importance_sampling_correction", False)
+            and mode not in ("token_truncate", "token_mask")):
+        raise ValueError("VESPO loss requires `vllm_importance_sampling_mode` to be either "
+                         f"'token_truncate' or 'token_mask'. Got: {mode}.")
+
+
+class EngineGeneration:
+    """TRL's generation-backend interface (`sync_weights`, `generate`) backed by an engine.
+
+    `end_rollout()` puts the engine to sleep; the trainers here call it when the loss
+    computation starts. Weight gathering is collective under ZeRO-3/FSDP, so every process
+    calls `sync_weights` together (TRL does, once per step).
+    """
 
     def __init__(
         self,
         client: EngineClient,
         model: torch.nn.Module,
-        accelerator: Accelerator,
-        processing_class: Any,
+        accelerator: Any,
+        args: Any,
         *,
         sleep_level: SleepLevel | int | None = SleepLevel.DISCARD_ALL,
         timeline: MemoryTimeline | None = None,
         generate_timeout_s: float | None = None,
         transport: str = "auto",
-        **generation: Any,
+        weight_dtype: torch.dtype | Literal["engine"] | None = None,
     ) -> None:
+        check_generation_settings(args)
         self.client = client
+        self.model, self.accelerator, self.args = model, accelerator, args
         self.colocation = Colocation(client, sleep_level=sleep_level, timeline=timeline,
-                                     transport=transport)
+                                     transport=transport, weight_dtype=weight_dtype)
+        self.weights = StreamedWeights(lambda: iter_policy_weights(model, accelerator))
         self.generate_timeout_s = generate_timeout_s
         self.last_weight_versions: set[int] = set()
         """Weight versions that produced the last rollout's completions."""
-        super().__init__(model=model, accelerator=accelerator, processing_class=processing_class,
-                         mode="server", **generation)
-        unknown = sorted(set(self.generation_kwargs) - _GENERATION_KWARGS)
-        if unknown:
-            raise ValueError(f"generation_kwargs {unknown} are not supported by the rollout "
-                             f"engine; supported: {sorted(_GENERATION_KWARGS)}")
-
-    def _init_vllm(self) -> None:
-        """Nothing to start: the engine is already serving."""
+        self._check_dtype(weight_dtype)
 
     def attach(self, client: EngineClient) -> None:
         """Generate with `client`'s engine from now on (e.g. a restarted one); the trainer's
@@ -89,9 +124,10 @@ class EngineGeneration(VLLMGeneration):
 
     # ---------------------------------------------------------------------- TRL's interface
     def sync_weights(self) -> None:
-        """Wake the weights, push the trainer's (gathered when sharded), reset the prefix cache."""
+        """Wake the weights, stream the trainer's (merged, gathered) into the engine, reset
+        the prefix cache."""
         with _engine_context(self.client, "pushing weights"):
-            self.colocation.sync_weights(self._gathered_params())
+            self.colocation.sync_weights(self.weights)
 
     def generate(
         self,
@@ -101,18 +137,27 @@ class EngineGeneration(VLLMGeneration):
         profiler: contextlib.AbstractContextManager | None = None,
     ) -> tuple[list[list[int]], list[list[int]], list[list[list[float]]], list[list[list[int]]]]:
         """(prompt_ids, completion_ids, logprobs, logprob_token_ids), one row per completion;
-        `logprobs[i][t][0]` is the sampled token's logprob under the processed distribution."""
+        `logprobs[i][t][0]` is the sampled token's logprob under the processed distribution.
+        The engine stays awake afterwards: the next turn needs it, and `end_rollout` (the
+        loss computation) puts it to sleep."""
         if images is not None and any(i is not None for i in images):
             raise NotImplementedError("the rollout engine serves text-only models; got images")
         if self.colocation.needs_weights:
+            if is_sharded(self.accelerator):  # gathering alone would wait for the other ranks
+                raise RuntimeError("the engine needs the trainer's weights but sync_weights() "
+                                   "was not called this step; with sharded weights every rank "
+                                   "must call it together")
             self.sync_weights()
         groups = _group_repeats(prompts)
-        params = [self._sampling_params(n) for _, n in groups]
-        with (_engine_context(self.client, "generating"), self.colocation.rollout() as client,
-              profiler or contextlib.nullcontext()):
-            outputs = client.generate([p for p, _ in groups], params,
-                                      timeout=self.generate_timeout_s)
-        self.colocation.begin_training()
+        with _engine_context(self.client, "generating"):
+            client = self.colocation.prepare_rollout()
+            max_model_len = None
+            if self.args.max_completion_length is None:
+                max_model_len = client.info().max_model_len
+            params = [self._sampling_params(n, len(p), max_model_len) for p, n in groups]
+            with self.colocation.generate_phase(), profiler or contextlib.nullcontext():
+                outputs = client.generate([p for p, _ in groups], params,
+                                          timeout=self.generate_timeout_s)
         self.last_weight_versions = {c.weight_version for o in outputs for c in o.outputs}
         prompt_ids, completion_ids, logprobs, token_ids = [], [], [], []
         for output in outputs:
@@ -124,26 +169,45 @@ class EngineGeneration(VLLMGeneration):
         assert len(completion_ids) == len(prompts), (len(completion_ids), len(prompts))
         return prompt_ids, completion_ids, logprobs, token_ids
 
+    def end_rollout(self) -> None:
+        """The generation step is over (the trainer is about to compute the loss): sleep."""
+        with _engine_context(self.client, "going to sleep"):
+            self.colocation.sleep()
+        self.colocation.begin_training()
+
     # --------------------------------------------------------------------------- internals
-    def _sampling_params(self, n: int) -> SamplingParams:
-        fields = dict(
-            n=n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k if self.top_k and self.top_k > 0 else -1,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=self.repetition_penalty,
-            max_tokens=self.max_completion_length,
-        )
-        fields.update(self.generation_kwargs)
+    def _sampling_params(
+        self, n: int, prompt_len: int, max_model_len: int | None
+    ) -> SamplingParams:
+        args = self.args
+        max_tokens = args.max_completion_length
+        if max_tokens is None:  # as vLLM: up to the model length
+            max_tokens = max(max_model_len - prompt_len, 1)
+        fields = {
+            "n": n,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k if args.top_k and args.top_k > 0 else -1,
+            "min_p": args.min_p or 0.0,
+            "repetition_penalty": args.repetition_penalty,
+            "max_tokens": max_tokens,
+        }
+        fields.update(args.generation_kwargs or {})
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
 
-    def _gathered_params(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, full tensor) pairs. A gathered shard is cloned: it is freed again when the
-        gather scope ends, before the update is sent."""
-        is_sharded = self._dist.is_zero3 or self._dist.is_fsdp
-        return [(name, tensor.detach().clone() if is_sharded else tensor.detach())
-                for name, tensor in self._iter_named_params()]
+    def _check_dtype(self, weight_dtype: torch.dtype | str | None) -> None:
+        """Refuse now, not at the first sync, weights the engine would refuse for their dtype."""
+        if weight_dtype is not None:
+            return
+        engine_dtype = self.client.info().dtype
+        dtypes = {str(p.dtype).removeprefix("torch.") for p in self.model.parameters()
+                  if p.is_floating_point()}
+        if dtypes - {engine_dtype}:
+            raise ValueError(
+                f"the trainer's weights are {sorted(dtypes)} but the engine serves "
+                f"{engine_dtype}; pass weight_dtype='engine' to cast them as they are sent, "
+                f"or serve the engine with --dtype {min(dtypes)}"
+            )
 
 
 def _group_repeats(prompts: Sequence[list[int]]) -> list[tuple[list[int], int]]:
@@ -180,6 +244,7 @@ def attach_engine(
     generate_timeout_s: float | None = None,
     transport: str = "auto",
     auth_token: str | None = None,
+    weight_dtype: torch.dtype | Literal["engine"] | None = None,
 ) -> EngineGeneration:
     """Make `trainer` (a GRPOTrainer or RLOOTrainer built with `use_vllm=False`) generate
     through the engine, as it would through vLLM; call again to switch to another engine."""
@@ -187,27 +252,28 @@ def attach_engine(
     backend = getattr(trainer, "vllm_generation", None)
     if isinstance(backend, EngineGeneration):
         backend.attach(client)
+        trainer._last_loaded_step = -1  # TRL syncs before its next generation
         return backend
     if getattr(trainer, "use_vllm", False):
         raise ValueError("the trainer already uses vLLM; build it with use_vllm=False")
-    args = trainer.args
-    trainer.vllm_generation = backend = EngineGeneration(
-        client, trainer.model, trainer.accelerator, trainer.processing_class,
-        sleep_level=sleep_level, timeline=timeline, generate_timeout_s=generate_timeout_s,
-        transport=transport,
-        repetition_penalty=getattr(trainer, "repetition_penalty", args.repetition_penalty),
-        temperature=getattr(trainer, "temperature", args.temperature),
-        top_p=getattr(trainer, "top_p", args.top_p),
-        top_k=getattr(trainer, "top_k", args.top_k),
-        min_p=getattr(trainer, "min_p", args.min_p),
-        max_completion_length=getattr(trainer, "max_completion_length",
-                                      args.max_completion_length),
-        generation_kwargs=args.generation_kwargs,
+    backend = EngineGeneration(
+        client, trainer.model, trainer.accelerator, trainer.args, sleep_level=sleep_level,
+        timeline=timeline, generate_timeout_s=generate_timeout_s, transport=transport,
+        weight_dtype=weight_dtype,
     )
-    _warn_on_precision_gap(args, client)
+    _warn_on_precision_gap(trainer.args, client)
+    trainer.vllm_generation = backend
     trainer.use_vllm = True  # turns on TRL's vLLM path, importance-sampling correction included
     trainer.vllm_mode = "server"  # the engine runs in its own process, like a vLLM server
-    trainer._last_loaded_step = -1
+    trainer._last_loaded_step = -1  # TRL syncs weights when global_step differs from it
+    if not isinstance(trainer, EngineGRPOTrainer):
+        compute_loss = trainer.compute_loss
+
+        def compute_loss_after_rollout(*args: Any, **kwargs: Any) -> Any:
+            backend.end_rollout()
+            return compute_loss(*args, **kwargs)
+
+        trainer.compute_loss = compute_loss_after_rollout
     return backend
 
 
@@ -224,8 +290,9 @@ def _warn_on_precision_gap(args: Any, client: EngineClient) -> None:
 
 class EngineGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` that generates with the rollout engine at `engine` (a client or an
-    address), in TRL's colocate choreography: generate, sleep(`sleep_level`), train, wake the
-    weights, push them, reset the prefix cache, wake the KV cache, generate again."""
+    address), in TRL's colocate choreography: wake the weights, push them, reset the prefix
+    cache, wake the KV cache, generate (every turn), sleep(`sleep_level`) when the loss
+    computation starts, train."""
 
     def __init__(
         self,
@@ -236,13 +303,19 @@ class EngineGRPOTrainer(GRPOTrainer):
         generate_timeout_s: float | None = None,
         transport: str = "auto",
         auth_token: str | None = None,
+        weight_dtype: torch.dtype | Literal["engine"] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.engine_generation = attach_engine(
             self, engine, sleep_level=sleep_level, timeline=timeline,
             generate_timeout_s=generate_timeout_s, transport=transport, auth_token=auth_token,
+            weight_dtype=weight_dtype,
         )
+
+    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+        self.engine_generation.end_rollout()  # the engine's memory goes to the trainer now
+        return super().compute_loss(*args, **kwargs)
 
     def attach_engine(self, engine: EngineClient | str, auth_token: str | None = None) -> None:
         """Switch to another engine (e.g. a restarted one); it gets the weights first."""

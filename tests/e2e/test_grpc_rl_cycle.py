@@ -19,7 +19,7 @@ from trainer_bridge import (
     InvalidArgumentError,
     SamplingParams,
 )
-from trainer_bridge.transports import manifest_request
+from trainer_bridge.transports import WeightManifest, manifest_request
 
 PROMPTS = [[3, 14, 15, 92, 65], [27, 18, 28, 18, 28, 45, 90]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -132,7 +132,7 @@ def test_update_cut_off_midway_refuses_generation_until_a_full_update(
     release = threading.Event()
 
     def requests():
-        yield manifest_request(named, "stream")
+        yield manifest_request(WeightManifest.of(named), "stream")
         half = first.reshape(-1).view(torch.uint8)[: first.nbytes // 2]
         piece = pb.TensorPiece(name=first_name, tensor_offset=0, num_bytes=half.numel())
         yield pb.UpdateWeightsRequest(chunk=pb.StreamChunk(pieces=[piece],

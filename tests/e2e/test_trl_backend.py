@@ -52,7 +52,17 @@ class VersionRecorder(TrainerCallback):
         self.versions.append(self.client.info().weight_version)
 
 
-def make_trainer(model_dir: Path, tmp_path: Path, client: EngineClient, **config) -> EngineGRPOTrainer:
+def make_trainer(
+    model_dir: Path,
+    tmp_path: Path,
+    client: EngineClient,
+    *,
+    peft_config=None,
+    rollout_func=None,
+    weight_dtype=None,
+    **config,
+) -> EngineGRPOTrainer:
+    """A GRPO trainer on the tiny model; `config` overrides GRPOConfig fields."""
     torch.manual_seed(0)
     options = {"per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 8,
                "learning_rate": 3e-2, "max_steps": 2, "beta": 0.0, "logging_steps": 1,
@@ -63,7 +73,8 @@ def make_trainer(model_dir: Path, tmp_path: Path, client: EngineClient, **config
         reward_funcs=digit_reward, args=GRPOConfig(output_dir=str(tmp_path / "trainer"), **options),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 8}),
         processing_class=AutoTokenizer.from_pretrained(model_dir), engine=client,
-        generate_timeout_s=60,
+        generate_timeout_s=60, peft_config=peft_config, rollout_func=rollout_func,
+        weight_dtype=weight_dtype,
     )
 
 

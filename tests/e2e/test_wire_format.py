@@ -10,6 +10,8 @@ from rollout_engine.server.chunk_decoding import RawChunk, decode_update_request
 from trainer_bridge.transports import (
     ALIGNMENT_BYTES,
     Acks,
+    TensorReader,
+    WeightManifest,
     encode_stream_chunk,
     plan_buckets,
     stream_requests,
@@ -52,7 +54,7 @@ def test_truncated_chunk_is_a_decode_error():
 def test_buckets_split_only_tensors_larger_than_a_bucket():
     tensors = [("a", torch.zeros(100)), ("b", torch.zeros(60)), ("c", torch.zeros(500)),
                ("d", torch.zeros(3))]
-    buckets = plan_buckets(tensors, bucket_bytes=512)
+    buckets = plan_buckets(WeightManifest.of(tensors), bucket_bytes=512)
     pieces = [(p.index, p.tensor_offset, p.num_bytes) for bucket in buckets for p in bucket]
     # "b" does not fit after "a": it starts a bucket instead of being split; "c" is larger than
     # a bucket, so it fills the rest of that bucket and spans the next ones.
@@ -66,10 +68,11 @@ def test_buckets_split_only_tensors_larger_than_a_bucket():
 
 def test_stream_requests_carry_every_byte_in_order():
     tensors = [("w", torch.arange(1000, dtype=torch.float32)), ("v", torch.ones(3, 5))]
+    manifest = WeightManifest.of(tensors)
     acks = Acks()
     acks.accept()
     messages = [pb.UpdateWeightsRequest.FromString(m) if isinstance(m, bytes) else m
-                for m in stream_requests(tensors, 1024, acks)]
+                for m in stream_requests(manifest, TensorReader(tensors, manifest, None), 1024, acks)]
     assert messages[0].WhichOneof("kind") == "manifest"
     assert messages[-1].WhichOneof("kind") == "commit"
     received = {name: bytearray() for name, _ in tensors}
