@@ -14,7 +14,8 @@ whole vLLM code path run with no vLLM installed:
 
 The colocate choreography: the engine wakes and receives the trainer's weights before the
 first turn of a generation step, stays awake through every turn (tool calls, multi-turn
-`rollout_func`s), and sleeps when the trainer starts computing the loss. Weights stream
+`rollout_func`s), and sleeps when the trainer's model next runs a forward (a forward
+pre-hook): TRL's scoring forward or the loss, whichever comes first. Weights stream
 from the trainer into transport buckets one tensor at a time (`trainer_weights`): LoRA
 adapters are merged while they stream, and no copy of the model is made.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -83,9 +85,9 @@ def check_generation_settings(args: Any) -> None:
 class EngineGeneration:
     """TRL's generation-backend interface (`sync_weights`, `generate`) backed by an engine.
 
-    `end_rollout()` puts the engine to sleep; the trainers here call it when the loss
-    computation starts. Weight gathering is collective under ZeRO-3/FSDP, so every process
-    calls `sync_weights` together (TRL does, once per step).
+    `end_rollout()` puts the engine to sleep; it runs by itself when the trainer's model
+    next runs a forward after a generation. Weight gathering is collective under
+    ZeRO-3/FSDP, so every process calls `sync_weights` together (TRL does, once per step).
     """
 
     def __init__(
@@ -111,6 +113,8 @@ class EngineGeneration:
         self.last_weight_versions: set[int] = set()
         """Weight versions that produced the last rollout's completions."""
         self._check_dtype(weight_dtype)
+        self._is_rolling_out = False
+        self._forward_hook = model.register_forward_pre_hook(_SleepOnForward(self))
 
     def attach(self, client: EngineClient) -> None:
         """Generate with `client`'s engine from now on (e.g. a restarted one); the trainer's
@@ -139,7 +143,7 @@ class EngineGeneration:
         """(prompt_ids, completion_ids, logprobs, logprob_token_ids), one row per completion;
         `logprobs[i][t][0]` is the sampled token's logprob under the processed distribution.
         The engine stays awake afterwards: the next turn needs it, and `end_rollout` (the
-        loss computation) puts it to sleep."""
+        trainer's next forward) puts it to sleep."""
         if images is not None and any(i is not None for i in images):
             raise NotImplementedError("the rollout engine serves text-only models; got images")
         if self.colocation.needs_weights:
@@ -151,6 +155,7 @@ class EngineGeneration:
         groups = _group_repeats(prompts)
         with _engine_context(self.client, "generating"):
             client = self.colocation.prepare_rollout()
+            self._is_rolling_out = True
             max_model_len = None
             if self.args.max_completion_length is None:
                 max_model_len = client.info().max_model_len
@@ -170,10 +175,19 @@ class EngineGeneration:
         return prompt_ids, completion_ids, logprobs, token_ids
 
     def end_rollout(self) -> None:
-        """The generation step is over (the trainer is about to compute the loss): sleep."""
+        """The generation step is over (the trainer needs the memory now): sleep."""
+        self._is_rolling_out = False
         with _engine_context(self.client, "going to sleep"):
             self.colocation.sleep()
         self.colocation.begin_training()
+
+    def close(self) -> None:
+        """Stop following the trainer's forwards."""
+        self._forward_hook.remove()
+
+    def on_trainer_forward(self) -> None:
+        if self._is_rolling_out:
+            self.end_rollout()
 
     # --------------------------------------------------------------------------- internals
     def _sampling_params(
@@ -208,6 +222,30 @@ class EngineGeneration:
                 f"{engine_dtype}; pass weight_dtype='engine' to cast them as they are sent, "
                 f"or serve the engine with --dtype {min(dtypes)}"
             )
+
+
+class _SleepOnForward:
+    """The forward pre-hook that ends a rollout. A copy of the model (a reference model,
+    `copy.deepcopy`) gets a hook that does nothing: only the trained model ends rollouts."""
+
+    def __init__(self, backend: EngineGeneration) -> None:
+        self._backend = weakref.ref(backend)
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        backend = self._backend()
+        if backend is not None:
+            backend.on_trainer_forward()
+
+    def __deepcopy__(self, memo: dict) -> _NoHook:
+        return _NoHook()
+
+    def __reduce__(self) -> tuple:
+        return (_NoHook, ())
+
+
+class _NoHook:
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        return None
 
 
 def _group_repeats(prompts: Sequence[list[int]]) -> list[tuple[list[int], int]]:
@@ -266,14 +304,6 @@ def attach_engine(
     trainer.use_vllm = True  # turns on TRL's vLLM path, importance-sampling correction included
     trainer.vllm_mode = "server"  # the engine runs in its own process, like a vLLM server
     trainer._last_loaded_step = -1  # TRL syncs weights when global_step differs from it
-    if not isinstance(trainer, EngineGRPOTrainer):
-        compute_loss = trainer.compute_loss
-
-        def compute_loss_after_rollout(*args: Any, **kwargs: Any) -> Any:
-            backend.end_rollout()
-            return compute_loss(*args, **kwargs)
-
-        trainer.compute_loss = compute_loss_after_rollout
     return backend
 
 
@@ -291,8 +321,8 @@ def _warn_on_precision_gap(args: Any, client: EngineClient) -> None:
 class EngineGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` that generates with the rollout engine at `engine` (a client or an
     address), in TRL's colocate choreography: wake the weights, push them, reset the prefix
-    cache, wake the KV cache, generate (every turn), sleep(`sleep_level`) when the loss
-    computation starts, train."""
+    cache, wake the KV cache, generate (every turn), sleep(`sleep_level`) when the trainer's
+    model next runs a forward, train."""
 
     def __init__(
         self,
@@ -312,10 +342,6 @@ class EngineGRPOTrainer(GRPOTrainer):
             generate_timeout_s=generate_timeout_s, transport=transport, auth_token=auth_token,
             weight_dtype=weight_dtype,
         )
-
-    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
-        self.engine_generation.end_rollout()  # the engine's memory goes to the trainer now
-        return super().compute_loss(*args, **kwargs)
 
     def attach_engine(self, engine: EngineClient | str, auth_token: str | None = None) -> None:
         """Switch to another engine (e.g. a restarted one); it gets the weights first."""

@@ -33,11 +33,13 @@ LORA = LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "gate_
                   init_lora_weights=False)  # random B: the merged weights differ from the base
 
 
-@pytest.fixture
-def engine(tmp_path, llama_dir):
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, llama_dir):
+    """One server for the module: every test attaches afresh, and each attach pushes the
+    trainer's weights before it generates, whatever state the last test left."""
     options = {"kv_cache_bytes": "8MiB", "max_model_len": 48}
-    with EngineServer(llama_dir, engine_options=options,
-                      log_path=tmp_path / "server.log") as server:
+    log_path = tmp_path_factory.mktemp("engine") / "server.log"
+    with EngineServer(llama_dir, engine_options=options, log_path=log_path) as server:
         yield server
 
 
@@ -160,12 +162,13 @@ def test_two_turn_rollouts_push_weights_once_per_step_and_stay_awake(engine, lla
     trainer = make_trainer(llama_dir, tmp_path, client, max_completion_length=6,
                            rollout_func=two_turn_rollout)
     trainer.turn_log = []
+    version_before = client.info().weight_version
     trainer.train()
     # Per step: pushed before the first turn, awake for the second, no push in between.
     assert trainer.turn_log == [(False, 1), (False, 1), (False, 2), (False, 2)]
     assert trainer.engine_generation.colocation.num_weight_pushes == 2
-    assert client.info().weight_version == 2
-    assert client.memory_state().is_sleeping  # asleep once the loss computation began
+    assert client.info().weight_version == version_before + 2
+    assert client.memory_state().is_sleeping  # asleep once the trainer computed again
     assert [h for h in trainer.state.log_history if "reward" in h]
     client.close()
 
@@ -254,3 +257,18 @@ def test_lora_sync_with_accelerate_two_ranks(llama_dir, tmp_path):
         assert f"rank {rank}: served merged True, adapter matters True" in result.stdout, (
             result.stdout[-3000:]
         )
+
+
+def test_the_engine_sleeps_at_the_trainers_next_forward_not_a_copys(engine, llama_dir, tmp_path):
+    client = EngineClient(engine.address, timeout=60)
+    trainer = make_trainer(llama_dir, tmp_path, client)
+    backend = trainer.engine_generation
+    backend.sync_weights()
+    backend.generate([[3, 14, 15]] * 4, None, num_generations=4)
+    reference = copy.deepcopy(trainer.model)  # e.g. a KL reference model
+    with torch.no_grad():
+        reference(torch.tensor([[3, 14, 15]]))
+        assert not client.memory_state().is_sleeping  # a copy's forward is not the trainer's
+        trainer.model(torch.tensor([[3, 14, 15]]))
+    assert client.memory_state().is_sleeping  # the trainer computes: the engine steps aside
+    client.close()
