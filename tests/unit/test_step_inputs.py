@@ -16,7 +16,7 @@ from rollout_engine.protocol import SamplingParams
 from rollout_engine.worker.sampler import Sampler
 from rollout_engine.worker.staging import HostStaging
 from rollout_engine.worker.step_inputs import BlockTables, build_step_inputs
-from tests.unit.test_sampler import make_row, random_logits
+from tests.unit.test_sampler import make_row, mixed_batch, random_logits
 
 BLOCK_SIZE = 4
 VOCAB_SIZE = 300
@@ -142,15 +142,9 @@ def test_packed_upload_keeps_dtypes_shapes_and_values_across_slot_reuse() -> Non
 
 
 def test_sampling_on_the_device_never_syncs_before_its_one_copy() -> None:
-    rows = [
-        make_row(temperature=0.0, drafts=[1, 2]),
-        make_row(temperature=0.9, top_k=3),
-        make_row(seed=1, top_p=0.5, drafts=[4]),
-        make_row(temperature=1.3, repetition_penalty=1.5, history=[1, 2, 3]),
-        make_row(seed=2, top_k=200, min_p=0.1),
-        make_row(temperature=0.0, repetition_penalty=1.2, history=[9]),
-    ]
-    logits = random_logits(9, 256)
+    # Greedy, sampled, seeded, drafting, penalised and filtered rows side by side.
+    rows, _ = mixed_batch(make_row(temperature=0.0, repetition_penalty=1.2, history=[9]), 6)
+    logits = random_logits(sum(len(r.draft_token_ids) + 1 for r in rows), 256)
     sampler = Sampler(exact_in_one_pass=True)
     plan = sampler.plan(rows, 256)
     tensors = {name: torch.from_numpy(a) for name, a in plan.arrays.items()}
