@@ -73,8 +73,16 @@ def make_step(batch_size: int, context: int, num_spec: int, seed: int = 0) -> li
     return scheduled
 
 
-def per_token_build(scheduled: list[ScheduledRequest], sampler: Sampler, device: str):
-    """The replaced path: Python per token, and one tensor per input."""
+def per_token_build(
+    scheduled: list[ScheduledRequest],
+    sampler: Sampler,
+    device: str,
+    block_size: int = BLOCK_SIZE,
+    vocab_size: int = VOCAB_SIZE,
+):
+    """The replaced path: Python per token, and one tensor per input (also the oracle of
+    `tests/unit/test_step_inputs.py`). (input_ids, positions, logits rows, metadata,
+    sampling tensors)."""
     input_ids: list[int] = []
     positions: list[int] = []
     rows: list[int] = []
@@ -83,15 +91,16 @@ def per_token_build(scheduled: list[ScheduledRequest], sampler: Sampler, device:
         input_ids.extend(req.input_token_ids)
         positions.extend(range(req.start_position, req.start_position + len(req.input_token_ids)))
         end += len(req.input_token_ids)
-        rows.extend(range(end - req.num_spec_tokens - 1, end))
+        if req.needs_sample:
+            rows.extend(range(end - req.num_spec_tokens - 1, end))
     metadata = AttentionMetadata.build(
         query_lens=[len(r.input_token_ids) for r in scheduled],
         seq_lens=[r.start_position + len(r.input_token_ids) for r in scheduled],
         block_tables=[r.block_ids for r in scheduled],
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
         device=device,
     )
-    plan = sampler.plan([sampling_row(r) for r in scheduled], VOCAB_SIZE)
+    plan = sampler.plan([sampling_row(r) for r in scheduled if r.needs_sample], vocab_size)
     tensors = {name: torch.from_numpy(a).to(device) for name, a in plan.arrays.items()}
     return (
         torch.tensor(input_ids, device=device),

@@ -28,7 +28,7 @@ from rollout_engine.protocol import (
     check_sleep_mode,
 )
 from trainer_bridge.timeline import MemoryTimeline
-from trainer_bridge.transports import ManifestMismatchError, TensorMeta, WeightManifest
+from trainer_bridge.transports import ManifestMismatchError, WeightManifest
 
 if TYPE_CHECKING:
     from trainer_bridge.client import EngineClient
@@ -50,12 +50,7 @@ class StreamedWeights:
 
     def manifest(self) -> WeightManifest:
         if self._manifest is None:
-            entries, device = [], torch.device("cpu")
-            for name, tensor in self.iterate():
-                entries.append(TensorMeta(name, tuple(tensor.shape), tensor.dtype))
-                if tensor.is_cuda:
-                    device = tensor.device
-            self._manifest = WeightManifest(tuple(entries), device)
+            self._manifest = WeightManifest.of(self.iterate())
         return self._manifest
 
     def forget_manifest(self) -> None:
@@ -255,17 +250,18 @@ class Colocation:
         dtype = self._engine_weight_dtype() if self.weight_dtype == "engine" else self.weight_dtype
         if not isinstance(weights, StreamedWeights):
             return self.client.update_weights(weights, transport=self.transport, dtype=dtype)
-        try:
+
+        def stream() -> int:
             return self.client.update_weights(
                 weights.iterate(), transport=self.transport, dtype=dtype,
                 manifest=weights.manifest(),
             )
+
+        try:
+            return stream()
         except ManifestMismatchError:  # the model changed shape or names since the last sync
             weights.forget_manifest()
-            return self.client.update_weights(
-                weights.iterate(), transport=self.transport, dtype=dtype,
-                manifest=weights.manifest(),
-            )
+            return stream()
 
     def _engine_weight_dtype(self) -> torch.dtype:
         if self._engine_dtype is None:

@@ -80,11 +80,15 @@ class WeightManifest:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @classmethod
-    def of(cls, tensors: NamedTensors) -> WeightManifest:
-        device = next((t.device for _, t in tensors if t.is_cuda), torch.device("cpu"))
-        return cls(
-            tuple(TensorMeta(name, tuple(t.shape), t.dtype) for name, t in tensors), device
-        )
+    def of(cls, tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightManifest:
+        """The manifest of (name, tensor) pairs, read in one pass without keeping them (an
+        iterator that makes each tensor when asked for it works too)."""
+        entries, device = [], torch.device("cpu")
+        for name, tensor in tensors:
+            entries.append(TensorMeta(name, tuple(tensor.shape), tensor.dtype))
+            if tensor.is_cuda:
+                device = tensor.device
+        return cls(tuple(entries), device)
 
     def cast(self, dtype: torch.dtype | None) -> WeightManifest:
         """The manifest of the same tensors sent as `dtype` (None: unchanged)."""

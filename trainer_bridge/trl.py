@@ -104,7 +104,6 @@ class EngineGeneration:
         weight_dtype: torch.dtype | Literal["engine"] | None = None,
     ) -> None:
         check_generation_settings(args)
-        self.client = client
         self.model, self.accelerator, self.args = model, accelerator, args
         self.colocation = Colocation(client, sleep_level=sleep_level, timeline=timeline,
                                      transport=transport, weight_dtype=weight_dtype)
@@ -119,8 +118,11 @@ class EngineGeneration:
     def attach(self, client: EngineClient) -> None:
         """Generate with `client`'s engine from now on (e.g. a restarted one); the trainer's
         weights are pushed to it before its first generation."""
-        self.client = client
         self.colocation.attach(client)
+
+    @property
+    def client(self) -> EngineClient:
+        return self.colocation.client
 
     @property
     def timeline(self) -> MemoryTimeline | None:

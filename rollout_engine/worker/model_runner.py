@@ -66,7 +66,7 @@ class ModelRunner:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
         if not step.sampled_request_ids:
             return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
-        if step.num_logits_rows != hidden.shape[0]:
+        if step.logits_rows.shape[0] != hidden.shape[0]:
             hidden = hidden.index_select(0, step.logits_rows)
         logits = self.model.compute_logits(hidden)  # [P, vocab] float32
         results = self.sampler.sample(logits, step.sampling_plan, step.sampling_tensors)

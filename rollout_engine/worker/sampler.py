@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from rollout_engine.protocol import SamplingParams
+from rollout_engine.worker.ragged import index_within_runs
 from rollout_engine.worker.rejection_sampler import (
     SampleResult,
     accept_matching_drafts,
@@ -184,19 +185,47 @@ class FilterHints:
     data-dependent fallback (the right trade on a GPU, where the fallback's check syncs)."""
 
 
+@dataclass(frozen=True)
+class FilterDecisions:
+    """The filter branches of a batch, decided on the host from its per-row parameters."""
+
+    top_k: np.ndarray
+    """[S] int64, with "off" (< 1 or > vocab) written as the vocabulary size."""
+    sort_rows: np.ndarray
+    """[K] int64: rows with top-k or top-p on."""
+    max_k: int
+    """The largest top-k below the vocabulary size (0 if none)."""
+    any_top_p: bool
+    any_min_p: bool
+
+
+def filter_decisions(
+    top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray, vocab_size: int
+) -> FilterDecisions:
+    top_k = np.where((top_k < 1) | (top_k > vocab_size), vocab_size, top_k)
+    limited_k = top_k[top_k < vocab_size]
+    return FilterDecisions(
+        top_k=top_k,
+        sort_rows=np.flatnonzero((top_k < vocab_size) | (top_p < 1.0)),
+        max_k=int(limited_k.max()) if len(limited_k) else 0,
+        any_top_p=bool((top_p < 1.0).any()),
+        any_min_p=bool((min_p > 0).any()),
+    )
+
+
 def filter_hints(
     top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, vocab_size: int
 ) -> FilterHints:
     """Hints read from the tensors themselves (host syncs; fine on the CPU and in tests)."""
-    top_k = torch.where((top_k < 1) | (top_k > vocab_size), vocab_size, top_k)
-    needs_sort = ((top_k < vocab_size) | (top_p < 1.0)).nonzero().squeeze(1)
-    limited_k = top_k[top_k < vocab_size]
+    decisions = filter_decisions(
+        top_k.cpu().numpy(), top_p.cpu().numpy(), min_p.cpu().numpy(), vocab_size
+    )
     return FilterHints(
-        sort_rows=needs_sort,
-        num_sort_rows=needs_sort.numel(),
-        max_k=int(limited_k.max()) if limited_k.numel() > 0 else 0,
-        any_top_p=bool((top_p < 1.0).any()),
-        any_min_p=bool((min_p > 0).any()),
+        sort_rows=torch.from_numpy(decisions.sort_rows).to(top_k.device),
+        num_sort_rows=len(decisions.sort_rows),
+        max_k=decisions.max_k,
+        any_top_p=decisions.any_top_p,
+        any_min_p=decisions.any_min_p,
         exact_in_one_pass=top_k.is_cuda,
     )
 
@@ -325,20 +354,18 @@ class Sampler:
         # Per position: row i owns num_drafts[i] + 1 consecutive positions.
         counts = num_drafts + 1
         row_of_position = np.repeat(np.arange(num_rows), counts)
-        offset_in_row = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        offset_in_row = index_within_runs(counts)
         position_is_greedy = greedy[row_of_position]
         sampled_positions = np.flatnonzero(~position_is_greedy)
         sampled_rows = row_of_position[sampled_positions]
-        top_k = np.where((top_k < 1) | (top_k > vocab_size), vocab_size, top_k)[sampled_rows]
-        top_p = top_p[sampled_rows]
-        min_p = min_p[sampled_rows]
+        filters = filter_decisions(
+            top_k[sampled_rows], top_p[sampled_rows], min_p[sampled_rows], vocab_size
+        )
         temperature = temperature[sampled_rows]
         uniforms = position_uniforms(
             stream_seeds[sampled_rows],
             first_index[sampled_rows] + offset_in_row[sampled_positions],
         )
-        sort_rows = np.flatnonzero((top_k < vocab_size) | (top_p < 1.0))
-        limited_k = top_k[top_k < vocab_size]
         any_penalty = bool(penalised.any())
         plan = SamplingPlan(
             drafts=[row.draft_token_ids for row in rows],
@@ -347,10 +374,10 @@ class Sampler:
             num_sampled=len(sampled_positions),
             any_penalty=any_penalty,
             any_temperature=bool((temperature != 1.0).any()),
-            num_sort_rows=len(sort_rows),
-            max_k=int(limited_k.max()) if len(limited_k) else 0,
-            any_top_p=bool((top_p < 1.0).any()),
-            any_min_p=bool((min_p > 0).any()),
+            num_sort_rows=len(filters.sort_rows),
+            max_k=filters.max_k,
+            any_top_p=filters.any_top_p,
+            any_min_p=filters.any_min_p,
         )
         # Only what `sample` will read: fewer arrays, less to pack and move.
         arrays = plan.arrays
@@ -362,9 +389,10 @@ class Sampler:
         if plan.any_temperature:
             arrays["temperature"] = temperature
         if plan.num_sort_rows:
-            arrays |= {"sort_rows": sort_rows, "top_k": top_k, "top_p": top_p}
+            arrays |= {"sort_rows": filters.sort_rows, "top_k": filters.top_k,
+                       "top_p": top_p[sampled_rows]}
         if plan.any_min_p:
-            arrays["min_p"] = min_p
+            arrays["min_p"] = min_p[sampled_rows]
         if any_penalty:
             offsets = np.zeros(num_rows + 1, dtype=np.int64)
             np.cumsum(counts, out=offsets[1:])

@@ -53,10 +53,6 @@ class HostStaging:
         self.num_copies = 0
         """Host-to-device copies issued so far (one per upload on an accelerator)."""
 
-    @property
-    def copies_to_device(self) -> bool:
-        return self.device.type != "cpu"
-
     def upload(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         if not self.pack:
             return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}

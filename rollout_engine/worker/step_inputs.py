@@ -16,6 +16,7 @@ import torch
 
 from kernels import AttentionMetadata
 from rollout_engine.core.scheduler_output import ScheduledRequest
+from rollout_engine.worker.ragged import index_within_runs
 from rollout_engine.worker.sampler import Sampler, SamplingPlan, SamplingRow, request_stream_seed
 from rollout_engine.worker.staging import HostStaging
 
@@ -34,7 +35,6 @@ class StepInputs:
     logits_rows: torch.Tensor
     """[P] int64: rows of the flat batch whose logits are sampled (last committed token and
     each draft of every request that samples)."""
-    num_logits_rows: int
     sampled_request_ids: list[str]
     sampling_plan: SamplingPlan
     sampling_tensors: dict[str, torch.Tensor]
@@ -110,9 +110,7 @@ def host_arrays(
         chain.from_iterable(r.input_token_ids for r in scheduled), np.int64, num_tokens
     )
     req_of_token = np.repeat(np.arange(num_reqs), query_lens)  # [T]
-    positions = (
-        np.arange(num_tokens) - query_start_loc[req_of_token] + starts[req_of_token]
-    )  # [T]
+    positions = starts[req_of_token] + index_within_runs(query_lens)  # [T]
     tables = block_tables.gather(scheduled)
     slot_mapping = (
         tables[req_of_token, positions // block_size].astype(np.int64) * block_size
@@ -136,9 +134,7 @@ def logits_rows(scheduled: list[ScheduledRequest], query_start_loc: np.ndarray) 
     needs = np.fromiter((r.needs_sample for r in scheduled), bool, len(scheduled))
     counts = np.fromiter((r.num_spec_tokens + 1 for r in scheduled), np.int64, len(scheduled))
     ends, counts = query_start_loc[1:][needs], counts[needs]
-    first_of_row = np.repeat(ends - counts, counts)
-    offset_in_row = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    return first_of_row + offset_in_row
+    return np.repeat(ends - counts, counts) + index_within_runs(counts)
 
 
 def sampling_row(req: ScheduledRequest) -> SamplingRow:
@@ -194,7 +190,6 @@ def build_step_inputs(
         positions=on_device["positions"],
         metadata=metadata,
         logits_rows=on_device["logits_rows"],
-        num_logits_rows=len(arrays["logits_rows"]),
         sampled_request_ids=[r.request_id for r in sampled],
         sampling_plan=plan,
         sampling_tensors={

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import AttentionMetadata
+from benchmarks.host_overhead import per_token_build
 from rollout_engine.core.scheduler_output import ScheduledRequest
 from rollout_engine.protocol import SamplingParams
 from rollout_engine.worker.sampler import Sampler
@@ -83,24 +83,6 @@ def random_step(seed: int, num_reqs: int = 12) -> list[ScheduledRequest]:
     return scheduled
 
 
-def per_token_reference(scheduled: list[ScheduledRequest]):
-    """The inputs built one token at a time in Python (the path this replaced)."""
-    input_ids, positions, rows, end = [], [], [], 0
-    for req in scheduled:
-        input_ids.extend(req.input_token_ids)
-        positions.extend(range(req.start_position, req.start_position + len(req.input_token_ids)))
-        end += len(req.input_token_ids)
-        if req.needs_sample:
-            rows.extend(range(end - req.num_spec_tokens - 1, end))
-    metadata = AttentionMetadata.build(
-        query_lens=[len(r.input_token_ids) for r in scheduled],
-        seq_lens=[r.start_position + len(r.input_token_ids) for r in scheduled],
-        block_tables=[r.block_ids for r in scheduled],
-        block_size=BLOCK_SIZE,
-    )
-    return input_ids, positions, rows, metadata
-
-
 @pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("seed", range(5))
 def test_step_inputs_match_the_per_token_build(seed: int, pack: bool) -> None:
@@ -108,10 +90,13 @@ def test_step_inputs_match_the_per_token_build(seed: int, pack: bool) -> None:
     staging = HostStaging("cpu", pack=pack)
     step = build_step_inputs(scheduled, BLOCK_SIZE, VOCAB_SIZE, Sampler(), staging,
                              BlockTables(), host_block_tables=True)
-    input_ids, positions, rows, expected = per_token_reference(scheduled)
-    assert step.input_ids.tolist() == input_ids
-    assert step.positions.tolist() == positions
-    assert step.logits_rows.tolist() == rows and step.num_logits_rows == len(rows)
+    input_ids, positions, rows, expected, _ = per_token_build(
+        scheduled, Sampler(), "cpu", BLOCK_SIZE, VOCAB_SIZE
+    )
+    assert step.input_ids.tolist() == input_ids.tolist()
+    assert step.positions.tolist() == positions.tolist()
+    assert step.logits_rows.tolist() == rows.tolist()
+    assert step.logits_rows.shape[0] == len(rows)
     got = step.metadata
     for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
