@@ -7,14 +7,23 @@ in one process on the same model.
     python benchmarks/rollout_throughput.py                 # the default workload
     python benchmarks/rollout_throughput.py --num-prompts 8 --max-tokens 32   # quick look
 
-On a machine shared with other busy processes, `--threads 1` avoids the large slow-down
-that oversubscribed OpenMP threads cause (it applies to all three systems alike).
+`--threads N` fixes every system's OpenMP threads (the engine's through `cpu_threads`);
+by default each uses its own policy: torch's default for Hugging Face, and for the engine
+the cores other processes leave free (see `rollout_engine/worker/cpu_threads.py`).
+`--contention K` starts K busy processes for the whole run, to see how each system copes
+with a loaded machine.
+
+The compute floor row is what no engine can beat on this model: the dense forward of the
+tokens that must be computed (each distinct prompt once, then one [rows, 1] forward per
+decode step, with attention over the context left out), timed with the same weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +50,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip", nargs="*", default=[], choices=["generate", "generate_batch"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int,
+                        help="OpenMP threads of every system (default: each its own policy)")
+    parser.add_argument("--contention", type=int, default=0,
+                        help="busy processes running alongside (default: 0)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="also run the engine with async scheduling (a row of its own)")
+    parser.add_argument("--skip-floor", action="store_true", help="do not time the floor")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="also run the engine with CUDA graphs (a row of its own)")
@@ -61,17 +76,39 @@ def make_prompts(args, vocab_size: int) -> list[list[int]]:
     ]
 
 
-def run_engine(model_dir: str, prompts, args, cuda_graphs: bool = False) -> tuple[float, int]:
+def run_engine(
+    model_dir: str, prompts, args, cuda_graphs: bool = False, async_scheduling: bool = False
+) -> tuple[float, int]:
     llm = LLM(model_dir, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=len(prompts) * args.n, kv_cache_bytes=2 * 1024**3,
-              device=args.device, dtype=args.dtype, cuda_graphs=cuda_graphs)
+              device=args.device, dtype=args.dtype, cuda_graphs=cuda_graphs,
+              cpu_threads=args.threads, async_scheduling=async_scheduling)
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens,
                             ignore_eos=True, seed=args.seed)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
+    llm.engine.shutdown()
     return elapsed, sum(len(o.token_ids) for out in outputs for o in out.outputs)
+
+
+@torch.inference_mode()
+def run_compute_floor(model_dir: str, prompts, args) -> tuple[float, int]:
+    """The dense forward of what must be computed: every distinct prompt once, then one
+    [rows, 1] forward per decode step (no KV cache: attention over the context left out)."""
+    model = _hf_model(model_dir, args)
+    rows = len(prompts) * args.n
+    decode_input = torch.full((rows, 1), 3, dtype=torch.long, device=args.device)
+    model(decode_input, use_cache=False)  # warm-up
+    _sync(args)
+    start = time.perf_counter()
+    for prompt in prompts:
+        model(torch.tensor([prompt], device=args.device), use_cache=False)
+    for _ in range(args.max_tokens - 1):  # the first token comes from the prompt's forward
+        model(decode_input, use_cache=False)
+    _sync(args)
+    return time.perf_counter() - start, rows * args.max_tokens
 
 
 def _sync(args) -> None:
@@ -129,20 +166,38 @@ def run_hf_generate_batch(model_dir: str, prompts, args) -> tuple[float, int]:
     return elapsed, sum(len(r.generated_tokens) for r in results.values())
 
 
+@contextlib.contextmanager
+def busy_processes(count: int):
+    """`count` processes spinning on the CPU while the block runs."""
+    processes = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                 for _ in range(count)]
+    try:
+        yield
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
 def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, busy_processes(args.contention):
         model_dir = args.model or str(build_tiny_model(Path(tmp) / "model", args.arch, args.size))
         from transformers import AutoConfig
 
         prompts = make_prompts(args, AutoConfig.from_pretrained(model_dir).vocab_size)
         print(f"workload: {len(prompts)} prompts x n={args.n}, prompt lengths "
               f"{args.min_prompt_len}-{args.max_prompt_len}, {args.max_tokens} new tokens, "
-              f"T=1, {torch.get_num_threads()} threads, {args.device} {args.dtype}")
+              f"T=1, threads: {args.threads or 'each its own policy'}, "
+              f"{args.contention} busy processes, {args.device} {args.dtype}")
         results = {"rollout_engine": run_engine(model_dir, prompts, args)}
+        if args.async_scheduling:
+            results["rollout_engine, async scheduling"] = run_engine(
+                model_dir, prompts, args, async_scheduling=True
+            )
         if args.cuda_graphs:
             results["rollout_engine + CUDA graphs"] = run_engine(
                 model_dir, prompts, args, cuda_graphs=True
@@ -154,6 +209,10 @@ def main() -> None:
                 results["HF generate_batch"] = run_hf_generate_batch(model_dir, prompts, args)
             except Exception as exc:  # report, don't hide: the table says it failed
                 print(f"generate_batch failed: {type(exc).__name__}: {exc}")
+        if not args.skip_floor:
+            results["compute floor (dense forward only)"] = run_compute_floor(
+                model_dir, prompts, args
+            )
     print_table(results)
 
 
@@ -165,6 +224,10 @@ def print_table(results: dict[str, tuple[float, int]]) -> None:
     for name, (elapsed, tokens) in results.items():
         tps = tokens / elapsed
         print(f"| {name} | {elapsed:.1f} | {tokens} | {tps:.0f} | {ours_tps / tps:.2f}x |")
+    floor = results.get("compute floor (dense forward only)")
+    if floor is not None:
+        print(f"\nrollout_engine reaches {ours_tps / (floor[1] / floor[0]):.0%} of the compute "
+              "floor's tokens/s")
 
 
 if __name__ == "__main__":

@@ -220,6 +220,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default: %(default)s)")
     engine.add_argument("--seed", type=int, default=0,
                         help="seed of the engine's random stream (default: %(default)s)")
+    engine.add_argument("--cpu-threads", type=int,
+                        help="CPU: OpenMP threads of the forward (default: the cores other "
+                        "processes leave free, re-checked as it runs)")
     engine.add_argument("--cuda-graphs", action="store_true", default=None,
                         help="replay decode steps from CUDA graphs (default: off)")
     engine.add_argument("--kv-cache-bytes", type=_parse_bytes,
@@ -237,15 +240,20 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="prompt + output cap (default: the model's)")
     engine.add_argument("--num-speculative-tokens", type=int,
                         help="n-gram draft tokens per step; 0 turns drafting off")
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="schedule and prepare the next step while the current one "
+                        "computes (default: the engine's)")
     parser.add_argument("--log-level", default="WARNING",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="(default: %(default)s)")
 
 
 _SERVE_ENGINE_OPTIONS = (
-    "dtype", "device", "seed", "cuda_graphs", "kv_cache_bytes", "num_blocks", "block_size",
+    "dtype", "device", "seed", "cpu_threads", "cuda_graphs", "kv_cache_bytes", "num_blocks", "block_size",
     "gpu_memory_utilization",
     "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_speculative_tokens",
+    "async_scheduling",
 )
 
 

@@ -33,6 +33,11 @@ class ModelConfig:
     """Torch device string: "cpu" or "cuda[:i]"."""
     seed: int = 0
     """Seed of the engine's random stream (requests without their own seed use it)."""
+    cpu_threads: int | None = None
+    """CPU only: OpenMP threads of the engine's forward thread (its own setting: the caller's
+    `torch.get_num_threads()` is untouched). None: the usable cores that other processes
+    leave free, re-checked every half second (see `worker/cpu_threads.py`): threads that
+    share a core with another busy process make every parallel region wait."""
     cuda_graphs: bool = False
     """Replay plain decode steps from CUDA graphs, one per batch-size bucket (vLLM's
     default; its `enforce_eager` turns them off). Off by default until a GPU run has shown
@@ -43,6 +48,10 @@ class ModelConfig:
         _require(
             self.dtype in ("auto", "float32", "float16", "bfloat16"),
             f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}",
+        )
+        _require(
+            self.cpu_threads is None or self.cpu_threads >= 1,
+            f"cpu_threads must be >= 1 or None, got {self.cpu_threads}",
         )
 
 
@@ -58,6 +67,10 @@ class SchedulerConfig:
     """Prompt + output length cap; None takes the model's max_position_embeddings."""
     long_prefill_token_threshold: int = 0
     """If > 0, a prompt chunk is at most this many tokens per step (fairness to decodes)."""
+    async_scheduling: bool = False
+    """Schedule and prepare step N+1 while step N computes (DESIGN "The step loop"): each
+    running request holds a placeholder for its in-flight token, which step N+1 reads on
+    the device. Outputs are the same as without it; n-gram drafting is off in this mode."""
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")

@@ -51,7 +51,9 @@ class LLM:
         try:
             for request_id, prompt, p in zip(request_ids, prompts, params):
                 self.engine.add_request(request_id, prompt, p)
-            return self._run(request_ids, sum(p.n for p in params), use_tqdm)
+            outputs = self._run(request_ids, sum(p.n for p in params), use_tqdm)
+            self._drain()  # async scheduling: a step launched after the last output lands
+            return outputs
         except BaseException:
             # A refused prompt, a failed step or Ctrl-C: none of this call's requests survive.
             self.engine.abort_request(request_ids)

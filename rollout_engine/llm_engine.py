@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
+import logging
+from collections import deque
 from collections.abc import Sequence
 
 from memory import MemoryEventLog
 from rollout_engine.config import EngineConfig, RuntimeLimits
 from rollout_engine.core.request import Request
 from rollout_engine.core.scheduler import Scheduler
-from rollout_engine.core.scheduler_output import SchedulerOutput
+from rollout_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from rollout_engine.core.spec_decode import SpecDecoder
 from rollout_engine.output_processor import OutputProcessor, RequestGroup
 from rollout_engine.processor import Processor
@@ -30,9 +33,13 @@ from rollout_engine.protocol import (
     check_memory_tags,
     check_sleep_mode,
 )
+from rollout_engine.worker.cpu_threads import CpuThreadPolicy
+from rollout_engine.worker.model_runner import PreparedStep
 from rollout_engine.worker.models.loader import load_hf_config
 from rollout_engine.worker.weight_update import ManifestEntry, NamedTensors, WeightUpdateSession
 from rollout_engine.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -59,8 +66,30 @@ class LLMEngine:
             config.scheduler_config, config.cache_config, config.speculative_config, self.limits
         )
         spec_config = config.speculative_config
-        self.drafter = SpecDecoder(spec_config, max_model_len) if spec_config.enabled else None
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self.drafter = None
+        if spec_config.enabled and not self.async_scheduling:
+            self.drafter = SpecDecoder(spec_config, max_model_len)
         self.output_processor = OutputProcessor(self.processor.decode)
+        # Steps scheduled and launched whose outputs have not landed, oldest first: at most
+        # one under the synchronous loop (and it lands in the same `step()`), two under
+        # async scheduling (step N+1 is prepared while step N computes).
+        self._in_flight: deque[tuple[SchedulerOutput, concurrent.futures.Future]] = deque()
+        self._max_in_flight = 2 if self.async_scheduling else 1
+        # The device work runs on a thread of its own under async scheduling, and always on
+        # the CPU, where that thread's OpenMP thread count is the engine's (`cpu_threads`).
+        self._forward_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self.cpu_threads: CpuThreadPolicy | None = None
+        if self.worker.device.type == "cpu":
+            self.cpu_threads = CpuThreadPolicy(config.model_config.cpu_threads)
+        if self.async_scheduling or self.cpu_threads is not None:
+            # The initializer must not hold `self`: the thread would keep the engine alive.
+            self._forward_thread = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="engine-forward", initializer=_init_forward_thread,
+                initargs=(self.worker.device,),
+            )
+        self._landed_outputs: list[RequestOutput] = []
+        """Outputs of steps landed outside `step()` (before sleep...), returned by the next."""
 
     @property
     def tokenizer(self):
@@ -106,7 +135,8 @@ class LLMEngine:
         self.output_processor.mark_aborted(ids)
 
     def has_unfinished_requests(self) -> bool:
-        return len(self.output_processor) > 0
+        """Prompts not finished yet, or steps whose outputs have not landed: keep stepping."""
+        return len(self.output_processor) > 0 or bool(self._in_flight)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -120,17 +150,73 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, commit tokens; outputs of the prompts that progressed.
 
+        Under async scheduling (DESIGN "The step loop"), a step schedules and launches step
+        N+1, then waits for step N and commits its tokens, so the host's scheduling and input
+        preparation overlap the forward. The first call of a run only launches.
+
         A step whose forward or sampling raises ends the prompts it scheduled and raises; see
-        `_fail_step`. Requests it did not schedule go on at the next step.
+        `_fail_steps`. Requests it did not schedule go on at the next step.
         """
+        landed, updated = False, []
+        launched = self._schedule_and_launch()
+        if self._in_flight and (
+            not launched
+            or len(self._in_flight) == self._max_in_flight
+            or self._in_flight[0][1].done()  # e.g. its inputs were refused: fail it now
+        ):
+            updated = self._land_oldest()
+            landed = True
+        outputs = self._landed_outputs + self.output_processor.outputs(updated, self.weight_version)
+        self._landed_outputs = []
+        if not (launched or landed or outputs) and self.has_unfinished_requests():
+            self._fail_stalled()
+        return outputs
+
+    def _schedule_and_launch(self) -> bool:
+        """Schedule a step if there is room in flight; launch it unless it is empty."""
+        if len(self._in_flight) == self._max_in_flight or not self.scheduler.has_unfinished_requests():
+            return False
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput({}))
+            return False
+        future: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            runner_output = self.worker.execute_model(scheduler_output)
+            prepared = self.worker.prepare_model_input(scheduler_output)
+        except BaseException as exc:  # noqa: BLE001 - lands as this step's failure
+            future.set_exception(exc)
+        else:
+            if self._forward_thread is None:  # synchronous on an accelerator: run it here
+                try:
+                    future.set_result(self.worker.run_model(prepared))
+                except BaseException as exc:  # noqa: BLE001 - lands as this step's failure
+                    future.set_exception(exc)
+            else:
+                future = self._forward_thread.submit(self._run_model, prepared)
+        self._in_flight.append((scheduler_output, future))
+        return True
+
+    def _land_oldest(self) -> list[Request]:
+        """Wait for the oldest step in flight and commit its tokens.
+
+        If it failed, the steps after it (which read its tokens) are waited for too, and
+        every prompt they scheduled is ended: see `_fail_steps`.
+        """
+        scheduler_output, future = self._in_flight[0]
+        try:
+            runner_output = future.result()
         except BaseException as exc:
-            error = self._fail_step(scheduler_output, exc)
+            concurrent.futures.wait([future])  # Ctrl-C while waiting: let the step finish
+            failed = [self._in_flight.popleft()[0]]
+            while self._in_flight:  # steps launched after it must not outlive its failure
+                later_output, later_future = self._in_flight.popleft()
+                concurrent.futures.wait([later_future])
+                failed.append(later_output)
+            error = self._fail_steps(failed, exc)
             if error is exc:
                 raise
             raise error from exc
+        self._in_flight.popleft()
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.drafter is not None:
             self.drafter.record(scheduler_output, runner_output)
@@ -138,24 +224,56 @@ class LLMEngine:
                 self.scheduler.requests_to_draft(), self.scheduler.num_running_requests
             )
             self.scheduler.update_draft_token_ids(drafts)
-        outputs = self.output_processor.outputs(updated, self.weight_version)
-        if scheduler_output.is_empty and not outputs and self.has_unfinished_requests():
-            self._fail_stalled()
-        return outputs
+        return updated
 
-    def _fail_step(self, scheduler_output: SchedulerOutput, exc: BaseException) -> BaseException:
-        """Fault safety (DESIGN "The step loop"): the failed step's prompts are ended cleanly.
+    def _land_all(self) -> None:
+        """Land every step in flight (before memory changes under them); their outputs, and
+        the "abort" outputs of prompts a failed step ended, come from the next `step()`."""
+        while self._in_flight:
+            try:
+                updated = self._land_oldest()
+            except Exception as exc:  # noqa: BLE001 - its prompts are ended; the call goes on
+                logger.warning("a step in flight failed (%s: %s); its prompts were ended",
+                               type(exc).__name__, exc)
+                continue
+            self._landed_outputs += self.output_processor.outputs(updated, self.weight_version)
 
-        The step leaves no trace that could be read later: the ledger's positions for it are
-        freed with the requests' blocks, and no block it wrote entered the prefix cache
+    def _run_model(self, prepared: PreparedStep) -> ModelRunnerOutput:
+        """On the forward thread: the device half of a step, on the CPU with the thread
+        count the CPU policy gives (a per-thread setting: the caller's is untouched)."""
+        if self.cpu_threads is not None:
+            import torch
+
+            num_threads = self.cpu_threads.threads()
+            if torch.get_num_threads() != num_threads:
+                torch.set_num_threads(num_threads)
+        return self.worker.run_model(prepared)
+
+    def shutdown(self) -> None:
+        """Stop the forward thread (async scheduling); steps in flight are waited for."""
+        if self._forward_thread is not None:
+            self._forward_thread.shutdown(wait=True)
+
+    def _fail_steps(
+        self, scheduler_outputs: list[SchedulerOutput], exc: BaseException
+    ) -> BaseException:
+        """Fault safety (DESIGN "The step loop"): the failed step's prompts are ended cleanly,
+        with those of the steps launched after it (async scheduling).
+
+        The steps leave no trace that could be read later: the ledger's positions for them
+        are freed with the requests' blocks, and no block they wrote entered the prefix cache
         (blocks are cached only after the step writing them completes). The same happens
         offline and in the server; the error carries the ended prompts' ids
         (`request_ids`) so their callers get it. KeyboardInterrupt and other BaseExceptions
         are re-raised as they are, with `request_ids` set on them.
         """
-        child_ids = [r.request_id for r in scheduler_output.scheduled_requests]
+        child_ids = [
+            r.request_id for output in scheduler_outputs for r in output.scheduled_requests
+        ]
         group_ids = self.output_processor.group_ids_of(child_ids)
         self.abort_request(group_ids)
+        for scheduler_output in scheduler_outputs:
+            self.scheduler.discard_step(scheduler_output)
         if isinstance(exc, EngineError):
             error: BaseException = exc
         elif _is_out_of_memory(exc):
@@ -192,6 +310,7 @@ class LLMEngine:
         level, mode = SleepLevel.parse(level), check_sleep_mode(mode)
         with self.memory_events.span("engine_sleep", level=int(level), mode=mode):
             outputs = self._end_requests(mode)
+            self._land_all()
             self.worker.sleep(level)
             self.reset_prefix_cache()
         return outputs
@@ -204,6 +323,7 @@ class LLMEngine:
         """
         tags = check_memory_tags(tags)
         with self.memory_events.span("engine_wake_up", tags=tags):
+            self._land_all()
             self.worker.wake_up(tags)
             if KV_CACHE_TAG in tags:
                 self.reset_prefix_cache()
@@ -212,6 +332,7 @@ class LLMEngine:
         """Abort in-flight requests and release the KV pool only; their outputs are returned."""
         with self.memory_events.span("engine_release_kv_cache_memory"):
             outputs = self._end_requests("abort")
+            self._land_all()
             self.worker.release_kv_cache()
             self.reset_prefix_cache()
         return outputs
@@ -250,6 +371,7 @@ class LLMEngine:
         return self.worker.weights.begin(manifest)
 
     def _check_no_generation(self) -> None:
+        self._land_all()  # a step in flight for a finished request still reads the weights
         num_generating = self.output_processor.num_generating()
         if num_generating:
             raise EngineBusyError(
@@ -302,6 +424,13 @@ class LLMEngine:
     def weight_ptrs(self) -> dict[str, int]:
         """Address of every parameter the model uses; stable across sleep, wake and updates."""
         return self.worker.weight_ptrs()
+
+
+def _init_forward_thread(device) -> None:
+    if device.type == "cuda":  # the forward thread launches on the engine's GPU
+        import torch
+
+        torch.cuda.set_device(device)
 
 
 def _max_model_len(config: EngineConfig, hf_config) -> int:

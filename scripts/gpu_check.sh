@@ -39,6 +39,7 @@ TEST_GROUPS=(
   "cuda-ipc transport|tests/e2e/test_grpc_cuda_ipc.py"
   "sleep-wake device memory|tests/gpu/test_sleep_wake_cuda.py"
   "cuda-graph parity|tests/gpu/test_cuda_graphs.py"
+  "async scheduling|tests/gpu/test_async_scheduling_cuda.py"
 )
 
 SUMMARY=()
@@ -163,7 +164,9 @@ for group in "${TEST_GROUPS[@]}"; do
 done
 run_bench kernels 60 benchmarks/kernels.py --quick
 run_bench rollout_throughput 150 benchmarks/rollout_throughput.py --device cuda --size 0.5b \
-  --skip generate_batch --cuda-graphs
+  --skip generate_batch --cuda-graphs --async-scheduling
+run_bench async_scheduling 60 benchmarks/async_scheduling.py --device cuda --size 0.5b \
+  --batch-sizes 16 64 --repeats 1
 run_bench host_overhead 40 benchmarks/host_overhead.py --device cuda --repeats 50
 run_bench sleep_wake 60 benchmarks/sleep_wake.py --device cuda --size 0.5b --kv-cache-mib 4096 \
   --repeats 3 --threads 4

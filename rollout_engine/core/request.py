@@ -19,7 +19,8 @@ class Request:
 
     The ledger: `num_tokens` counts prompt + committed output tokens,
     `num_computed_tokens` counts positions whose KV is written or scheduled to be
-    written, and `spec_token_ids` are draft tokens proposed for the next step.
+    written, and `spec_token_ids` are draft tokens proposed for the next step. Under async
+    scheduling, `num_output_placeholders` tokens are being sampled by steps in flight.
     """
 
     def __init__(
@@ -43,6 +44,11 @@ class Request:
         self.output_logprobs: list[float] = []
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        """Async scheduling: tokens being sampled by steps in flight, not yet committed. Their
+        positions are already counted in `num_computed_tokens` by the steps after them."""
+        self.num_steps_in_flight = 0
+        """Scheduled steps of this request whose outputs have not landed yet."""
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
@@ -77,5 +83,5 @@ class Request:
         return (
             f"Request({self.request_id!r}, status={self.status.value}, "
             f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens}, "
-            f"spec={self.spec_token_ids})"
+            f"placeholders={self.num_output_placeholders}, spec={self.spec_token_ids})"
         )

@@ -14,6 +14,7 @@ from rollout_engine.config import CacheConfig, RuntimeLimits, SchedulerConfig, S
 from rollout_engine.core.kv_cache_manager import KVCacheManager, cdiv
 from rollout_engine.core.request import Request, RequestStatus
 from rollout_engine.core.scheduler_output import (
+    PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -22,7 +23,13 @@ from rollout_engine.protocol import FinishReason, InvalidRequestError, OutOfBloc
 
 
 class Scheduler:
-    """Owns the waiting and running queues, the KV cache manager and preemption."""
+    """Owns the waiting and running queues, the KV cache manager and preemption.
+
+    Steps may be in flight while the next one is scheduled (async scheduling): each
+    `schedule()` is answered by exactly one `update_from_output` (or `discard_step` if its
+    compute failed), in order. A finished request's blocks are freed once no step in
+    flight writes them.
+    """
 
     def __init__(
         self,
@@ -39,7 +46,12 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(limits.eos_token_ids if limits else ())
-        spec_enabled = speculative_config is not None and speculative_config.enabled
+        self.async_scheduling = scheduler_config.async_scheduling
+        # Drafts for step N+1 would need step N's tokens: no drafting under async scheduling.
+        spec_enabled = (
+            speculative_config is not None and speculative_config.enabled
+            and not self.async_scheduling
+        )
         self.num_draft_slots = speculative_config.num_speculative_tokens if spec_enabled else 0
         if scheduler_config.max_num_batched_tokens <= 2 * self.num_draft_slots:
             raise ValueError(
@@ -53,6 +65,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_request_ids: list[str] = []
+        # Finished requests whose blocks a step in flight still writes (freed when it lands).
+        self._finished_in_flight: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
 
@@ -80,6 +94,11 @@ class Scheduler:
         return bool(self.requests)
 
     @property
+    def num_finished_in_flight(self) -> int:
+        """Finished requests waiting for a step in flight to land before their blocks free."""
+        return len(self._finished_in_flight)
+
+    @property
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
@@ -105,7 +124,10 @@ class Scheduler:
 
         Read-only for the drafter: drafts come back through `update_draft_token_ids`.
         """
-        return [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        return [
+            r for r in self.running
+            if r.num_tokens - r.num_computed_tokens == 1 and not r.num_output_placeholders
+        ]
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
         """Take the drafter's proposals for the next step (the only writer of drafts)."""
@@ -122,9 +144,11 @@ class Scheduler:
         output = SchedulerOutput(finished_request_ids=self._finished_request_ids)
         self._finished_request_ids = []
         budget = self.config.max_num_batched_tokens
+        # Groups whose shared prompt is written by a step still in flight (async scheduling).
+        in_flight_groups = {r.group_id for r in self.running if self._prompt_in_flight(r)}
         budget = self._schedule_running(output, budget)
         if not output.preempted_request_ids:
-            self._schedule_waiting(output, budget)
+            self._schedule_waiting(output, budget, in_flight_groups)
         return output
 
     def update_from_output(
@@ -136,26 +160,56 @@ class Scheduler:
         """
         updated: list[Request] = []
         for scheduled in scheduler_output.scheduled_requests:
-            request = self.requests.get(scheduled.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            request = self._landed(scheduled)
+            if request is None:
+                continue  # ended, or preempted since it was scheduled: its output is stale
             sampled = runner_output.sampled_token_ids.get(request.request_id, [])
             logprobs = (runner_output.logprobs or {}).get(request.request_id)
             num_drafts = scheduled.num_spec_tokens
             request.spec_token_ids = []
             assert len(sampled) <= num_drafts + 1, f"{len(sampled)} tokens for {num_drafts} drafts"
             assert sampled or num_drafts == 0, f"{request} had {num_drafts} drafts, sampled nothing"
+            num_rejected = num_drafts - max(len(sampled) - 1, 0)
             # Rejected drafts' positions are recomputed next step (their KV is stale).
-            request.num_computed_tokens -= num_drafts - max(len(sampled) - 1, 0)
-            # The step completed: the KV below num_computed_tokens is written and committed.
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            request.num_computed_tokens -= num_rejected
+            # The step completed: the KV it wrote, up to its last accepted position, is
+            # committed (later positions may belong to steps still in flight).
+            written = scheduler_output.num_scheduled_tokens[request.request_id] - num_rejected
+            self.kv_cache_manager.cache_blocks(request, scheduled.start_position + written)
             if not sampled:
                 continue  # a prefill chunk short of the prompt's end yields no token
+            if scheduled.needs_sample and self.async_scheduling:
+                request.num_output_placeholders -= 1
             self._append_tokens(request, sampled, logprobs)
             updated.append(request)
         if any(r.is_finished for r in updated):
             self.running = [r for r in self.running if not r.is_finished]
         return updated
+
+    def discard_step(self, scheduler_output: SchedulerOutput) -> None:
+        """A scheduled step will never land (its compute failed). End its requests first
+        (`finish_requests`): their blocks, held for this step, are freed here."""
+        for scheduled in scheduler_output.scheduled_requests:
+            request = self._landed(scheduled)
+            assert request is None, f"{request} must be ended before its step is discarded"
+
+    def _landed(self, scheduled: ScheduledRequest) -> Request | None:
+        """Account for one request's step having landed; the request if its output counts."""
+        request_id = scheduled.request_id
+        request = self.requests.get(request_id) or self._finished_in_flight.get(request_id)
+        if request is None:
+            return None
+        request.num_steps_in_flight -= 1
+        if request.is_finished:
+            if request.num_steps_in_flight == 0:
+                del self._finished_in_flight[request_id]
+                self.kv_cache_manager.free(request)
+            return None
+        if request.status is not RequestStatus.RUNNING:
+            return None
+        if request.num_preemptions != scheduled.num_preemptions:
+            return None
+        return request
 
     # ------------------------------------------------------------------ internals
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
@@ -177,9 +231,13 @@ class Scheduler:
             index += 1
         return budget
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(
+        self, output: SchedulerOutput, budget: int, in_flight_groups: set[str]
+    ) -> None:
         held_back: list[Request] = []
-        prefilling_groups = {r.group_id for r in self.running if self._is_prefilling_prompt(r)}
+        prefilling_groups = in_flight_groups | {
+            r.group_id for r in self.running if self._is_prefilling_prompt(r)
+        }
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.group_id in prefilling_groups and request.num_computed_tokens == 0:
@@ -212,9 +270,21 @@ class Scheduler:
             and request.num_prompt_tokens > self.block_size
         )
 
+    def _prompt_in_flight(self, request: Request) -> bool:
+        """Async scheduling: the request's last prompt chunk is in a step that has not landed,
+        so its blocks are not cached yet; siblings wait one step to reuse them."""
+        return (
+            self.kv_cache_manager.enable_prefix_caching
+            and request.num_prompt_tokens > self.block_size
+            and request.num_output_tokens == 0
+            and request.num_steps_in_flight > 0
+        )
+
     def _num_new_tokens(self, request: Request, budget: int, num_computed: int | None = None) -> int:
         computed = request.num_computed_tokens if num_computed is None else num_computed
-        num_new = request.num_tokens_with_spec - computed
+        if request.num_output_placeholders and not self._can_schedule_ahead(request):
+            return 0
+        num_new = request.num_tokens_with_spec + request.num_output_placeholders - computed
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
             num_new = min(num_new, threshold)
@@ -226,13 +296,32 @@ class Scheduler:
             self.max_model_len - computed,
         )
 
+    def _can_schedule_ahead(self, request: Request) -> bool:
+        """Whether a request with an output in flight gets more work before it lands: not if
+        that output may be its last, nor if sampling needs its tokens on the host."""
+        params = request.sampling_params
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        return (
+            request.num_output_placeholders == 1  # one step ahead: its input is that output
+            and num_outputs < params.max_tokens
+            and request.num_tokens + request.num_output_placeholders < self.max_model_len
+            and params.repetition_penalty == 1.0
+        )
+
     def _record(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         """Write one request's share of the step and advance its ledger at once."""
         start = request.num_computed_tokens
-        num_spec = max(0, start + num_new - request.num_tokens)
-        del request.spec_token_ids[num_spec:]  # drafts that did not fit are dropped
-        input_ids = request.all_token_ids[start : start + num_new - num_spec]
-        input_ids += request.spec_token_ids
+        from_previous_step = start >= request.num_tokens
+        if from_previous_step:  # async: the input is the token the step in flight samples
+            assert num_new == 1 and start == request.num_tokens, request
+            input_ids = [PLACEHOLDER_TOKEN_ID]
+            num_spec = 0
+        else:
+            num_spec = max(0, start + num_new - request.num_tokens)
+            del request.spec_token_ids[num_spec:]  # drafts that did not fit are dropped
+            input_ids = request.all_token_ids[start : start + num_new - num_spec]
+            input_ids += request.spec_token_ids
+        needs_sample = start + num_new >= request.num_tokens
         output.scheduled_requests.append(
             ScheduledRequest(
                 request_id=request.request_id,
@@ -240,14 +329,19 @@ class Scheduler:
                 start_position=start,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 num_spec_tokens=num_spec,
-                needs_sample=start + num_new >= request.num_tokens,
+                needs_sample=needs_sample,
                 sampling_params=request.sampling_params,
                 sample_index=request.sample_index,
-                num_output_tokens=request.num_output_tokens,
+                num_output_tokens=request.num_output_tokens + request.num_output_placeholders,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
+                input_from_previous_step=from_previous_step,
+                num_preemptions=request.num_preemptions,
             )
         )
+        request.num_steps_in_flight += 1
+        if needs_sample and self.async_scheduling:
+            request.num_output_placeholders += 1
         output.num_scheduled_tokens[request.request_id] = num_new
         if num_spec:
             output.scheduled_spec_decode_tokens[request.request_id] = list(request.spec_token_ids)
@@ -256,9 +350,12 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop the KV, keep the tokens, go to the queue's front."""
+        # Its step in flight (if any) still writes the freed blocks, but any step that reuses
+        # them runs after it: steps execute in the order they were scheduled.
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # in-flight outputs are stale: dropped on landing
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -288,7 +385,10 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.spec_token_ids = []
-        self.kv_cache_manager.free(request)
+        if request.num_steps_in_flight:
+            self._finished_in_flight[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_request_ids.append(request.request_id)
 

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from rollout_engine.protocol import SamplingParams
 
+PLACEHOLDER_TOKEN_ID = -1
+"""Stands for a token that a step in flight is sampling (async scheduling)."""
+
 
 @dataclass
 class ScheduledRequest:
@@ -13,7 +16,8 @@ class ScheduledRequest:
 
     request_id: str
     input_token_ids: list[int]
-    """Tokens at positions [start_position, start_position + n), drafts last."""
+    """Tokens at positions [start_position, start_position + n), drafts last. With
+    `input_from_previous_step` the last one is a placeholder (`PLACEHOLDER_TOKEN_ID`)."""
     start_position: int
     """`num_computed_tokens` before this step: the position of the first input token."""
     block_ids: list[int]
@@ -26,7 +30,14 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     sample_index: int = 0
     num_output_tokens: int = 0
-    """Committed output tokens: the output index of the first token this step samples."""
+    """The output index of the first token this step samples: committed output tokens, plus
+    the placeholders of steps in flight under async scheduling."""
+    input_from_previous_step: bool = False
+    """Async scheduling: the last input token is the one the previous step samples for this
+    request; the runner reads it on the device (it is not known on the host yet)."""
+    num_preemptions: int = 0
+    """The request's preemption count when scheduled: an output that lands after a later
+    preemption is stale and dropped."""
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     """References to the request's lists (read-only for the runner), for penalties."""

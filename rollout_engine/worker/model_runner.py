@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.dispatch import attention_backend
 from rollout_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from rollout_engine.protocol import StepFailedError
 from rollout_engine.worker.cuda_graphs import DecodeGraphs
 from rollout_engine.worker.fault_injection import FaultInjector
 from rollout_engine.worker.models.decoder import DecoderForCausalLM
 from rollout_engine.worker.sampler import Sampler
 from rollout_engine.worker.staging import HostStaging
 from rollout_engine.worker.step_inputs import BlockTables, StepInputs, build_step_inputs
+
+
+@dataclass
+class PreparedStep:
+    """A step whose inputs are on the device, waiting for `ModelRunner.run`."""
+
+    index: int
+    """1, 2, ...: the order steps were prepared in (and must run in)."""
+    scheduler_output: SchedulerOutput
+    inputs: StepInputs | None
+    """None for an empty step."""
 
 
 class ModelRunner:
@@ -36,6 +50,11 @@ class ModelRunner:
         self.attention_backend = attention_backend(self.device)
         self.decode_graphs = decode_graphs
         """Plain decode steps replay CUDA graphs when set (`ModelConfig.cuda_graphs`)."""
+        # Async scheduling: the sampled tokens of the last step run, for placeholders.
+        self._num_prepared = 0
+        self._num_run = 0
+        self._previous_positions: dict[str, int] | None = None
+        self._last_sampled: torch.Tensor | None = None
         self.fault_injector: FaultInjector | None = None
         self._fault_hook: torch.utils.hooks.RemovableHandle | None = None
         self.set_fault_injector(FaultInjector.from_env())
@@ -49,17 +68,48 @@ class ModelRunner:
         if injector is not None:
             self._fault_hook = injector.install(self.model)
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Prepare and run one step."""
+        return self.run(self.prepare(scheduler_output))
+
+    def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
+        """Host work of a step: its inputs, built and sent to the device. Steps must be
+        prepared in the order they were scheduled, and run in that order."""
+        self._num_prepared += 1
         scheduled = scheduler_output.scheduled_requests
-        if not scheduled:
+        step = None
+        if scheduled:
+            step = build_step_inputs(
+                scheduled, self.block_size, self.vocab_size, self.sampler, self.staging,
+                self.block_tables, host_block_tables=self.attention_backend == "cpu",
+                previous_positions=self._previous_positions,
+            )
+            self._previous_positions = step.last_positions
+        return PreparedStep(self._num_prepared, scheduler_output, step)
+
+    @torch.inference_mode()
+    def run(self, prepared: PreparedStep) -> ModelRunnerOutput:
+        """Device work of a step: forward, logits, sampling; then its one host sync.
+
+        Under async scheduling this runs on the engine's forward thread while the next step
+        is prepared. A step with placeholders reads the tokens of the step prepared just
+        before it, which must have run and succeeded.
+        """
+        step = prepared.inputs
+        tokens_of_previous_step = self._last_sampled if self._num_run == prepared.index - 1 else None
+        self._num_run, self._last_sampled = prepared.index, None
+        if step is None:
             return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
-        step = build_step_inputs(
-            scheduled, self.block_size, self.vocab_size, self.sampler, self.staging,
-            self.block_tables, host_block_tables=self.attention_backend == "cpu",
-        )
+        if step.patch_positions is not None:
+            if tokens_of_previous_step is None:
+                raise StepFailedError(
+                    "a step reads tokens of a previous step that did not complete"
+                )
+            step.input_ids.index_copy_(
+                0, step.patch_positions, tokens_of_previous_step.index_select(0, step.patch_rows)
+            )
         if self.fault_injector is not None:
-            self.fault_injector.arm(scheduler_output)
+            self.fault_injector.arm(prepared.scheduler_output)
         if self._use_graphs(step):
             hidden = self.decode_graphs.run(step.input_ids, step.positions, step.metadata)
         else:
@@ -69,7 +119,10 @@ class ModelRunner:
         if step.logits_rows.shape[0] != hidden.shape[0]:
             hidden = hidden.index_select(0, step.logits_rows)
         logits = self.model.compute_logits(hidden)  # [P, vocab] float32
-        results = self.sampler.sample(logits, step.sampling_plan, step.sampling_tensors)
+        plan = step.sampling_plan
+        token_ids, logprobs = self.sampler.sample_positions(logits, plan, step.sampling_tensors)
+        results = self.sampler.to_results(token_ids, logprobs, plan)
+        self._last_sampled = token_ids
         request_ids = step.sampled_request_ids
         return ModelRunnerOutput(
             sampled_token_ids={rid: res.token_ids for rid, res in zip(request_ids, results)},

@@ -411,6 +411,24 @@ class Sampler:
 
         The only host sync is the final copy of the tokens and their logprobs.
         """
+        return self.to_results(*self.sample_positions(logits, plan, tensors), plan)
+
+    @staticmethod
+    def to_results(
+        token_ids: torch.Tensor, logprobs: torch.Tensor, plan: SamplingPlan
+    ) -> list[SampleResult]:
+        """Bring a call's tokens and logprobs to the host (its one sync); accept drafts."""
+        # Token ids are exact in float64.
+        on_host = torch.stack((token_ids.double(), logprobs.double())).cpu()
+        return accept_matching_drafts(
+            on_host[0].long().tolist(), on_host[1].tolist(), plan.drafts
+        )
+
+    def sample_positions(
+        self, logits: torch.Tensor, plan: SamplingPlan, tensors: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's token and its logprob at every position, on the device, no sync:
+        [num_positions] int64 and float32 (row i's positions are consecutive)."""
         assert logits.dim() == 2 and logits.shape[0] == plan.num_positions, (
             f"expected logits of shape [{plan.num_positions}, vocab], got {tuple(logits.shape)}"
         )
@@ -438,11 +456,7 @@ class Sampler:
             for positions, ids, lps in parts:
                 token_ids.index_copy_(0, positions, ids)
                 logprobs.index_copy_(0, positions, lps)
-        # The call's one host sync. Token ids are exact in float64.
-        on_host = torch.stack((token_ids.double(), logprobs.double())).cpu()
-        return accept_matching_drafts(
-            on_host[0].long().tolist(), on_host[1].tolist(), plan.drafts
-        )
+        return token_ids, logprobs
 
     @staticmethod
     def _rows(

@@ -40,6 +40,13 @@ class StepInputs:
     sampling_tensors: dict[str, torch.Tensor]
     is_uniform_decode: bool
     """Every request has exactly one query token and samples it (a plain decode step)."""
+    patch_positions: torch.Tensor | None = None
+    """Async scheduling: [R] rows of `input_ids` holding placeholders, to be filled with
+    the previous step's sampled tokens at `patch_rows` (on the device, before the forward)."""
+    patch_rows: torch.Tensor | None = None
+    last_positions: dict[str, int] | None = None
+    """Request id -> index of its last sampled position in this step's token vector (what
+    the next step's placeholders read)."""
 
 
 class BlockTables:
@@ -161,14 +168,24 @@ def build_step_inputs(
     staging: HostStaging,
     block_tables: BlockTables,
     host_block_tables: bool = False,
+    previous_positions: dict[str, int] | None = None,
 ) -> StepInputs:
     """Host arrays for the forward and the sampler, moved to the device in one copy.
 
     `host_block_tables` also hands the kernels the tables as lists (the CPU kernels plan
-    on the host; it costs O(blocks) Python).
+    on the host; it costs O(blocks) Python). `previous_positions` is the last step's
+    `last_positions`, for the placeholders of async scheduling.
     """
     arrays, query_lens = host_arrays(scheduled, block_size, block_tables)
     arrays["logits_rows"] = logits_rows(scheduled, arrays["query_start_loc"])
+    from_previous = [i for i, r in enumerate(scheduled) if r.input_from_previous_step]
+    if from_previous:
+        assert previous_positions is not None, "placeholders without a previous step"
+        # A placeholder is its request's only input token: the first of its query.
+        arrays["patch_positions"] = arrays["query_start_loc"][from_previous].astype(np.int64)
+        arrays["patch_rows"] = np.array(
+            [previous_positions[scheduled[i].request_id] for i in from_previous], np.int64
+        )
     sampled = [r for r in scheduled if r.needs_sample]
     plan = sampler.plan([sampling_row(r) for r in sampled], vocab_size)
     for name, array in plan.arrays.items():
@@ -199,4 +216,10 @@ def build_step_inputs(
         },
         is_uniform_decode=len(sampled) == len(scheduled)
         and all(q == 1 for q in query_lens),
+        patch_positions=on_device.get("patch_positions"),
+        patch_rows=on_device.get("patch_rows"),
+        last_positions=dict(
+            zip((r.request_id for r in sampled),
+                (np.cumsum([r.num_spec_tokens + 1 for r in sampled]) - 1).tolist())
+        ) if sampled else {},
     )

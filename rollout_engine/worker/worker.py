@@ -19,7 +19,7 @@ from rollout_engine.worker.kv_cache_spec import (
     activation_bytes_estimate,
     plan_kv_cache_bytes,
 )
-from rollout_engine.worker.model_runner import ModelRunner
+from rollout_engine.worker.model_runner import ModelRunner, PreparedStep
 from rollout_engine.worker.models.loader import (
     build_model,
     iterate_checkpoint,
@@ -93,9 +93,17 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; refuses (EngineSleepingError) unless weights and KV are ready."""
+        return self.run_model(self.prepare_model_input(scheduler_output))
+
+    def prepare_model_input(self, scheduler_output: SchedulerOutput) -> PreparedStep:
+        """The host half of a step (see `ModelRunner.prepare`)."""
         if not scheduler_output.is_empty:
             self.check_ready()  # never run the model on released or half-written memory
-        return self.model_runner.execute(scheduler_output)
+        return self.model_runner.prepare(scheduler_output)
+
+    def run_model(self, prepared: PreparedStep) -> ModelRunnerOutput:
+        """The device half of a step; may run on another thread than the host half."""
+        return self.model_runner.run(prepared)
 
     def _kv_cache_bytes(self, config: EngineConfig, hf_config, weights_bytes: int) -> int:
         cache_config, scheduler_config = config.cache_config, config.scheduler_config

@@ -12,6 +12,7 @@ from rollout_engine.config import CacheConfig, RuntimeLimits, SchedulerConfig, S
 from rollout_engine.core.request import Request, RequestStatus
 from rollout_engine.core.scheduler import Scheduler
 from rollout_engine.core.scheduler_output import (
+    PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -140,6 +141,10 @@ class FakeModelRunner:
     token prefix up to it, as real KV depends on every earlier token. After a step's
     writes, every position a request attends to must hold its own prefix's value, so a
     wrong cache hit, a block reused while referenced, or stale draft KV that is read fails.
+
+    Under async scheduling a step may run before the previous one's outputs are committed;
+    a placeholder input is resolved from what the previous step sampled for the request,
+    as the real runner does on the device.
     """
 
     def __init__(
@@ -159,6 +164,7 @@ class FakeModelRunner:
         self.num_steps = 0
         self.num_drafts_scheduled = 0
         self.num_drafts_accepted = 0
+        self._previous_step_tokens: dict[str, int] = {}
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1
@@ -173,9 +179,10 @@ class FakeModelRunner:
             if not scheduled.needs_sample:
                 continue
             tokens = self._sample(scheduled)
-            first = len(scheduled.prompt_token_ids) + len(scheduled.output_token_ids)
+            first = _first_sampled_position(scheduled)
             sampled[scheduled.request_id] = tokens
             logprobs[scheduled.request_id] = [logprob_for(first + i) for i in range(len(tokens))]
+        self._previous_step_tokens = {rid: tokens[-1] for rid, tokens in sampled.items()}
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def _check_inputs(self, scheduled: ScheduledRequest) -> list[int]:
@@ -186,14 +193,25 @@ class FakeModelRunner:
         sequence = committed + drafts
         start = scheduled.start_position
         end = start + len(scheduled.input_token_ids)
+        inputs = list(scheduled.input_token_ids)
+        if scheduled.input_from_previous_step:
+            rid = scheduled.request_id
+            assert inputs == [PLACEHOLDER_TOKEN_ID] and num_spec == 0, scheduled
+            assert rid in self._previous_step_tokens, f"{rid}: the previous step sampled nothing"
+            assert start >= len(scheduled.prompt_token_ids), scheduled
+            # The committed list may not have the in-flight token yet: it is at `start`.
+            sequence = committed[:start] + [self._previous_step_tokens[rid]]
+            inputs = sequence[start:end]
+            expected = self.token_fn(rid, start)
+            assert inputs == [expected], f"{rid}: placeholder resolved to {inputs}, not {expected}"
         assert scheduled.input_token_ids, f"{scheduled.request_id}: empty input"
-        assert scheduled.input_token_ids == sequence[start:end], (
+        assert inputs == sequence[start:end], (
             f"{scheduled.request_id}: input {scheduled.input_token_ids} != tokens "
             f"{sequence[start:end]} at [{start}, {end})"
         )
         if num_spec:
             assert end - num_spec == len(committed), f"{scheduled.request_id}: drafts misplaced"
-        assert scheduled.needs_sample == (end >= len(committed)), scheduled.request_id
+        assert scheduled.needs_sample == (end >= len(sequence) - num_spec), scheduled.request_id
         assert len(scheduled.block_ids) * self.block_size >= end, (
             f"{scheduled.request_id}: {len(scheduled.block_ids)} blocks for {end} positions"
         )
@@ -231,7 +249,7 @@ class FakeModelRunner:
 
     def _sample(self, scheduled: ScheduledRequest) -> list[int]:
         rid = scheduled.request_id
-        num_committed = len(scheduled.prompt_token_ids) + len(scheduled.output_token_ids)
+        num_committed = _first_sampled_position(scheduled)
         num_spec = scheduled.num_spec_tokens
         drafts = scheduled.input_token_ids[len(scheduled.input_token_ids) - num_spec :]
         if self.num_accepted is None:
@@ -247,6 +265,11 @@ class FakeModelRunner:
         self.num_drafts_scheduled += num_spec
         self.num_drafts_accepted += num_ok
         return drafts[:num_ok] + [self.token_fn(rid, num_committed + num_ok)]
+
+
+def _first_sampled_position(scheduled: ScheduledRequest) -> int:
+    """Position of the first token a sampling step produces (after its last committed input)."""
+    return scheduled.start_position + len(scheduled.input_token_ids) - scheduled.num_spec_tokens
 
 
 def _prefix_hashes(token_ids: Sequence[int]) -> list[int]:
@@ -284,8 +307,47 @@ def run_until_done(scheduler: Scheduler, runner: FakeModelRunner, max_steps: int
     return sum(1 for _ in iterate_steps(scheduler, runner, max_steps))
 
 
-def check_ledger_invariants(scheduler: Scheduler) -> None:
-    """Between steps: queues, ledger and block ref counts agree with each other."""
+def iterate_async_steps(
+    scheduler: Scheduler,
+    runner: FakeModelRunner,
+    max_steps: int = 10_000,
+    before_landing: Callable[[SchedulerOutput], None] | None = None,
+) -> Iterator[tuple[SchedulerOutput, list[Request]]]:
+    """Async scheduling as the engine drives it: step N+1 is scheduled (and, in device order,
+    run) before step N's outputs are committed. Yields each step as it lands; checks the
+    ledger between steps. `before_landing(step)` runs just before a step lands (aborts...)."""
+    in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+    for _ in range(max_steps):
+        if in_flight is None and not scheduler.has_unfinished_requests():
+            return
+        scheduled = scheduler.schedule() if scheduler.has_unfinished_requests() else None
+        if scheduled is not None and scheduled.is_empty:
+            assert in_flight is not None, "nothing scheduled and nothing in flight: a stall"
+            scheduler.update_from_output(scheduled, ModelRunnerOutput(sampled_token_ids={}))
+            scheduled = None
+        launched = None if scheduled is None else (scheduled, runner.execute(scheduled))
+        if in_flight is not None:
+            if before_landing is not None:
+                before_landing(in_flight[0])
+            yield in_flight[0], scheduler.update_from_output(*in_flight)
+        in_flight = launched
+        check_ledger_invariants(scheduler, num_in_flight=int(in_flight is not None))
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
+def run_async_until_done(
+    scheduler: Scheduler, runner: FakeModelRunner, max_steps: int = 10_000
+) -> int:
+    """`run_until_done` under async scheduling; returns the number of steps."""
+    return sum(1 for _ in iterate_async_steps(scheduler, runner, max_steps))
+
+
+def check_ledger_invariants(scheduler: Scheduler, num_in_flight: int = 0) -> None:
+    """Between steps: queues, ledger and block ref counts agree with each other.
+
+    `num_in_flight`: steps scheduled whose outputs have not landed (async scheduling).
+    Once every step has landed, the ledger is what the synchronous loop would have.
+    """
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool
     running_ids = {r.request_id for r in scheduler.running}
@@ -299,7 +361,11 @@ def check_ledger_invariants(scheduler: Scheduler) -> None:
     for request in scheduler.requests.values():
         block_ids = kv.get_block_ids(request.request_id)
         assert len(set(block_ids)) == len(block_ids), f"{request}: repeated block {block_ids}"
-        assert 0 <= request.num_computed_tokens <= request.num_tokens, request
+        assert 0 <= request.num_output_placeholders <= num_in_flight, request
+        assert request.num_steps_in_flight <= num_in_flight, request
+        assert (
+            0 <= request.num_computed_tokens <= request.num_tokens + request.num_output_placeholders
+        ), request
         assert len(block_ids) * scheduler.block_size >= request.num_computed_tokens, request
         assert request.num_tokens <= scheduler.max_model_len, request
         if request.status is RequestStatus.RUNNING:
@@ -308,7 +374,11 @@ def check_ledger_invariants(scheduler: Scheduler) -> None:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
             assert request.request_id in waiting_ids, request
             assert request.num_computed_tokens == 0 and not block_ids, request
+            assert request.num_output_placeholders == 0, request
         ref_counts.update(block_ids)
+    for request in scheduler._finished_in_flight.values():
+        assert num_in_flight and request.is_finished and request.num_steps_in_flight, request
+        ref_counts.update(kv.get_block_ids(request.request_id))
     for block in pool.blocks:
         assert block.ref_count == ref_counts[block.block_id], (
             f"block {block.block_id}: ref_count {block.ref_count}, "
