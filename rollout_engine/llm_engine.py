@@ -8,6 +8,7 @@ import json
 import logging
 from collections import deque
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from memory import MemoryEventLog
 from rollout_engine.config import EngineConfig, RuntimeLimits
@@ -38,6 +39,9 @@ from rollout_engine.worker.model_runner import PreparedStep
 from rollout_engine.worker.models.loader import load_hf_config
 from rollout_engine.worker.weight_update import ManifestEntry, NamedTensors, WeightUpdateSession
 from rollout_engine.worker.worker import Worker
+
+if TYPE_CHECKING:
+    from rollout_engine.core.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +75,7 @@ class LLMEngine:
         if spec_config.enabled and not self.async_scheduling:
             self.drafter = SpecDecoder(spec_config, max_model_len)
         self.output_processor = OutputProcessor(self.processor.decode)
+        self._grammar_compiler: GrammarCompiler | None = None  # built at the first constraint
         # Steps scheduled and launched whose outputs have not landed, oldest first: at most
         # one under the synchronous loop (and it lands in the same `step()`), two under
         # async scheduling (step N+1 is prepared while step N computes).
@@ -115,11 +120,17 @@ class LLMEngine:
             raise InvalidRequestError("sampling_params must be a SamplingParams")
         self.worker.check_ready()
         text, token_ids = self.processor.encode(prompt)
+        constraint = sampling_params.structured_outputs
+        compiler = self._grammars() if constraint is not None else None
+        if compiler is not None:
+            compiler.validate(constraint)  # a bad schema or regex is refused before any child
         group = RequestGroup(request_id, text, token_ids)
         for j in range(sampling_params.n):
             child = Request(
                 f"{request_id}/{j}", token_ids, sampling_params, group_id=request_id, sample_index=j
             )
+            if compiler is not None:
+                child.grammar = compiler.request_grammar(constraint)
             try:
                 self.scheduler.add_request(child)
             except Exception:
@@ -127,6 +138,19 @@ class LLMEngine:
                 raise
             group.children.append(child)
         self.output_processor.add(group)
+
+    def _grammars(self) -> GrammarCompiler:
+        if self._grammar_compiler is None:
+            from rollout_engine.core.structured_output import GrammarCompiler  # llguidance
+
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "structured outputs need the model's tokenizer, and this model has none"
+                )
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer, self.limits.vocab_size, self.limits.eos_token_ids
+            )
+        return self._grammar_compiler
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """End prompts now; their outputs come back from the next `step()` as "abort"."""
@@ -169,6 +193,10 @@ class LLMEngine:
         outputs = self._landed_outputs + self.output_processor.outputs(updated, self.weight_version)
         self._landed_outputs = []
         if not (launched or landed or outputs) and self.has_unfinished_requests():
+            compiling = self.scheduler.compiling_grammars()
+            if compiling:  # nothing else to do: wait for a grammar (bounded, then go on)
+                compiling[0].wait(timeout_s=0.05)
+                return outputs
             self._fail_stalled()
         return outputs
 
@@ -186,15 +214,29 @@ class LLMEngine:
         except BaseException as exc:  # noqa: BLE001 - lands as this step's failure
             future.set_exception(exc)
         else:
+            grammars = self.scheduler.grammars_of(scheduler_output)
+            if grammars is not None:
+                prepared.token_bitmask = concurrent.futures.Future()
             if self._forward_thread is None:  # synchronous on an accelerator: run it here
+                self._compute_bitmask(prepared, grammars)
                 try:
                     future.set_result(self.worker.run_model(prepared))
                 except BaseException as exc:  # noqa: BLE001 - lands as this step's failure
                     future.set_exception(exc)
             else:
                 future = self._forward_thread.submit(self._run_model, prepared)
+                self._compute_bitmask(prepared, grammars)  # while the forward runs
         self._in_flight.append((scheduler_output, future))
         return True
+
+    def _compute_bitmask(self, prepared: PreparedStep, grammars) -> None:
+        """Structured outputs: the step's token bitmask, for its sampling to wait on."""
+        if prepared.token_bitmask is None:
+            return
+        try:
+            prepared.token_bitmask.set_result(self._grammar_compiler.bitmask(grammars))
+        except BaseException as exc:  # noqa: BLE001 - the step fails with it
+            prepared.token_bitmask.set_exception(exc)
 
     def _land_oldest(self) -> list[Request]:
         """Wait for the oldest step in flight and commit its tokens.
@@ -250,9 +292,12 @@ class LLMEngine:
         return self.worker.run_model(prepared)
 
     def shutdown(self) -> None:
-        """Stop the forward thread (async scheduling); steps in flight are waited for."""
+        """Stop the engine's threads (forward, grammar compiling); steps in flight are waited
+        for."""
         if self._forward_thread is not None:
             self._forward_thread.shutdown(wait=True)
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.shutdown()
 
     def _fail_steps(
         self, scheduler_outputs: list[SchedulerOutput], exc: BaseException

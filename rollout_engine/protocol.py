@@ -219,6 +219,55 @@ def error_from_status(code: str, message: str, error_type: str = "") -> EngineEr
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on a completion (vLLM's names): exactly one of the fields is set.
+
+    The completion ends with finish reason "stop" once the constraint is complete.
+    """
+
+    json: str | None = None
+    """A JSON Schema (a JSON string; a dict is accepted and serialised)."""
+    regex: str | None = None
+    """The completion matches this regular expression, whole."""
+    choice: list[str] | None = None
+    """The completion is one of these strings."""
+    grammar: str | None = None
+    """A context-free grammar in Lark syntax (llguidance's dialect)."""
+    json_object: bool | None = None
+    """Any JSON object."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json)
+        if self.choice is not None:
+            self.choice = list(self.choice)
+            _check_structured(
+                bool(self.choice) and all(isinstance(c, str) and c for c in self.choice),
+                f"choice must be a non-empty list of non-empty strings, got {self.choice!r}",
+            )
+        constraints = [
+            name for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        _check_structured(
+            len(constraints) == 1,
+            f"set exactly one of json, regex, choice, grammar, json_object; got {constraints}",
+        )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        if self.json_object:
+            return "json_object"
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
+
+
+def _check_structured(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(f"invalid StructuredOutputsParams: {message}")
+
+
+@dataclass
 class SamplingParams:
     """How to sample one prompt's completions (vLLM's names and defaults), validated on
     construction."""
@@ -245,6 +294,8 @@ class SamplingParams:
     """Keep generating past the model's EOS tokens."""
     detokenize: bool = True
     """Fill `CompletionOutput.text` when a completion finishes."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the completions (JSON Schema, regex, choice, grammar); None: free text."""
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids)
@@ -267,6 +318,11 @@ class SamplingParams:
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}",
+        )
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs must be a StructuredOutputsParams or None",
         )
 
     @property

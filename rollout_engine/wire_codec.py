@@ -3,7 +3,9 @@
 No generated stubs are imported here: messages are passed in and read through their
 descriptor, so the server and `trainer_bridge` share one codec and neither mirrors a type.
 The rules: an unset proto3 `optional` scalar is the dataclass default (None for optional
-fields), repeated fields are lists, maps are dicts, and nested messages are dataclasses.
+fields), repeated fields are lists (an empty one is None where the dataclass default is
+None), maps are dicts, nested messages are dataclasses, and an unset nested message is the
+dataclass default.
 """
 
 from __future__ import annotations
@@ -47,17 +49,19 @@ def from_message(message: Any, cls: type[T]) -> T:
     kwargs: dict[str, Any] = {}
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]
         descriptor = fields[field.name]
-        if _is_optional_scalar(descriptor) and not message.HasField(field.name):
-            continue
+        if descriptor.has_presence and not message.HasField(field.name):
+            continue  # an unset optional scalar or nested message
         value = getattr(message, field.name)
         if _is_map(descriptor):
             item_cls = typing.get_args(hints[field.name])[1]
             is_nested = dataclasses.is_dataclass(item_cls)
             value = {k: from_message(v, item_cls) if is_nested else v for k, v in value.items()}
         elif descriptor.is_repeated:
+            if not value and field.default is None:
+                continue
             value = list(value)
         elif descriptor.message_type is not None:
-            value = from_message(value, hints[field.name])
+            value = from_message(value, _without_none(hints[field.name]))
         kwargs[field.name] = value
     return cls(**kwargs)
 
@@ -67,8 +71,10 @@ def _is_map(descriptor: Any) -> bool:
     return message_type is not None and message_type.GetOptions().map_entry
 
 
-def _is_optional_scalar(descriptor: Any) -> bool:
-    return descriptor.has_presence and descriptor.message_type is None
+def _without_none(hint: Any) -> Any:
+    """`X` of `X | None`; other hints as they are."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if len(args) == 1 else hint
 
 
 @functools.cache

@@ -40,6 +40,7 @@ TEST_GROUPS=(
   "sleep-wake device memory|tests/gpu/test_sleep_wake_cuda.py"
   "cuda-graph parity|tests/gpu/test_cuda_graphs.py"
   "async scheduling|tests/gpu/test_async_scheduling_cuda.py"
+  "structured outputs|tests/gpu/test_structured_outputs_cuda.py"
 )
 
 SUMMARY=()

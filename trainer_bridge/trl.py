@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from trl import GRPOTrainer
 
-from rollout_engine.protocol import EngineError, SamplingParams, SleepLevel
+from rollout_engine.protocol import EngineError, SamplingParams, SleepLevel, StructuredOutputsParams
 from trainer_bridge.client import EngineClient
 from trainer_bridge.colocate import Colocation, StreamedWeights
 from trainer_bridge.trainer_weights import is_sharded, iter_policy_weights
@@ -51,7 +51,6 @@ _GENERATION_KWARGS = {"seed", "stop_token_ids", "ignore_eos", "top_k", "top_p", 
 # GRPOConfig fields that configure vLLM itself or another generation path: the engine's own
 # server options govern those, so anything but TRL's default is refused, with the way out.
 _REFUSED_UNLESS_DEFAULT = {
-    "vllm_structured_outputs_regex": (None, "the rollout engine has no structured outputs yet"),
     "vllm_tensor_parallel_size": (1, "serve the engine with the parallelism you need"),
     "vllm_max_model_length": (None, "start the engine with --max-model-len"),
     "vllm_gpu_memory_utilization": (0.3, "start the engine with --gpu-memory-utilization"),
@@ -208,6 +207,9 @@ class EngineGeneration:
             "repetition_penalty": args.repetition_penalty,
             "max_tokens": max_tokens,
         }
+        regex = getattr(args, "vllm_structured_outputs_regex", None)
+        if regex:  # TRL's one structured-outputs setting, as vLLM applies it
+            fields["structured_outputs"] = StructuredOutputsParams(regex=regex)
         fields.update(args.generation_kwargs or {})
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
 

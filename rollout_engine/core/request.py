@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import enum
 
+from typing import TYPE_CHECKING
+
 from rollout_engine.protocol import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from rollout_engine.core.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +55,8 @@ class Request:
         self.num_steps_in_flight = 0
         """Scheduled steps of this request whose outputs have not landed yet."""
         self.num_preemptions = 0
+        self.grammar: RequestGrammar | None = None
+        """Structured outputs: the matcher of the request's constraint (set by the engine)."""
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
 

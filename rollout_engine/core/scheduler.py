@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from rollout_engine.config import CacheConfig, RuntimeLimits, SchedulerConfig, SpeculativeConfig
 from rollout_engine.core.kv_cache_manager import KVCacheManager, cdiv
@@ -20,6 +21,9 @@ from rollout_engine.core.scheduler_output import (
     SchedulerOutput,
 )
 from rollout_engine.protocol import FinishReason, InvalidRequestError, OutOfBlocksError
+
+if TYPE_CHECKING:
+    from rollout_engine.core.structured_output import RequestGrammar
 
 
 class Scheduler:
@@ -126,7 +130,8 @@ class Scheduler:
         """
         return [
             r for r in self.running
-            if r.num_tokens - r.num_computed_tokens == 1 and not r.num_output_placeholders
+            if r.num_tokens - r.num_computed_tokens == 1
+            and not r.num_output_placeholders
         ]
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
@@ -186,6 +191,27 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return updated
 
+    def compiling_grammars(self) -> list[RequestGrammar]:
+        """Grammars that waiting requests wait for (structured outputs)."""
+        return [
+            r.grammar for r in self.waiting if r.grammar is not None and not r.grammar.is_ready
+        ]
+
+    def grammars_of(
+        self, scheduler_output: SchedulerOutput
+    ) -> list[tuple[RequestGrammar | None, list[int]]] | None:
+        """For every request the step samples, in the sampler's order: its matcher (None if
+        unconstrained) and its drafts. None when no scheduled request is constrained."""
+        rows: list[tuple[RequestGrammar | None, list[int]]] = []
+        for scheduled in scheduler_output.scheduled_requests:
+            if scheduled.needs_sample:
+                grammar = self.requests[scheduled.request_id].grammar
+                drafts = scheduler_output.scheduled_spec_decode_tokens.get(
+                    scheduled.request_id, []
+                )
+                rows.append((grammar, drafts))
+        return rows if any(g is not None for g, _ in rows) else None
+
     def discard_step(self, scheduler_output: SchedulerOutput) -> None:
         """A scheduled step will never land (its compute failed). End its requests first
         (`finish_requests`): their blocks, held for this step, are freed here."""
@@ -240,6 +266,13 @@ class Scheduler:
         }
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.grammar is not None and not request.grammar.is_ready:
+                held_back.append(self.waiting.popleft())  # compiling: the others go on
+                continue
+            if request.grammar is not None and request.grammar.error is not None:
+                self.waiting.popleft()
+                self._finish(request, "abort")  # its constraint could not be compiled
+                continue
             if request.group_id in prefilling_groups and request.num_computed_tokens == 0:
                 # A sibling is still writing this prompt's KV: wait and reuse its blocks.
                 held_back.append(self.waiting.popleft())
@@ -306,6 +339,7 @@ class Scheduler:
             and num_outputs < params.max_tokens
             and request.num_tokens + request.num_output_placeholders < self.max_model_len
             and params.repetition_penalty == 1.0
+            and request.grammar is None  # its mask needs the token in flight
         )
 
     def _record(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
@@ -367,6 +401,11 @@ class Scheduler:
         for i, token_id in enumerate(token_ids):
             request.append_output_token(token_id, logprobs[i] if logprobs else None)
             reason = self._stop_reason(request, token_id)
+            if request.grammar is not None:
+                if not request.grammar.accept(token_id):
+                    reason = "abort"  # never sampled under its mask: a bug, not a hang
+                elif request.grammar.is_complete:
+                    reason = "stop"
             if reason is not None:
                 self._finish(request, reason)
                 return

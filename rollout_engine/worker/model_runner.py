@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,9 @@ class PreparedStep:
     scheduler_output: SchedulerOutput
     inputs: StepInputs | None
     """None for an empty step."""
+    token_bitmask: concurrent.futures.Future | None = None
+    """Structured outputs: the step's grammar bitmask (numpy), computed on the host while the
+    forward runs; sampling waits for it."""
 
 
 class ModelRunner:
@@ -120,7 +124,12 @@ class ModelRunner:
             hidden = hidden.index_select(0, step.logits_rows)
         logits = self.model.compute_logits(hidden)  # [P, vocab] float32
         plan = step.sampling_plan
-        token_ids, logprobs = self.sampler.sample_positions(logits, plan, step.sampling_tensors)
+        bitmask = None
+        if prepared.token_bitmask is not None:
+            bitmask = torch.from_numpy(prepared.token_bitmask.result()).to(self.device)
+        token_ids, logprobs = self.sampler.sample_positions(
+            logits, plan, step.sampling_tensors, bitmask
+        )
         results = self.sampler.to_results(token_ids, logprobs, plan)
         self._last_sampled = token_ids
         request_ids = step.sampled_request_ids

@@ -142,6 +142,15 @@ def apply_repetition_penalty(
     return penalise(logits, *(torch.from_numpy(a).to(logits.device) for a in arrays))
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Tokens whose bit is 0 get -inf. logits [P, V]; bitmask [P, ceil(V / 32)] int32, bit j of
+    word w standing for token 32 * w + j."""
+    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = (bitmask.to(logits.device, torch.int32)[:, :, None] >> bits) & 1  # [P, W, 32]
+    allowed = allowed.reshape(bitmask.shape[0], -1)[:, : logits.shape[1]].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def _top_k_top_p_removed(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, num_candidates: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,14 +434,24 @@ class Sampler:
         )
 
     def sample_positions(
-        self, logits: torch.Tensor, plan: SamplingPlan, tensors: dict[str, torch.Tensor]
+        self,
+        logits: torch.Tensor,
+        plan: SamplingPlan,
+        tensors: dict[str, torch.Tensor],
+        token_bitmask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's token and its logprob at every position, on the device, no sync:
-        [num_positions] int64 and float32 (row i's positions are consecutive)."""
+        [num_positions] int64 and float32 (row i's positions are consecutive).
+
+        `token_bitmask` ([num_positions, ceil(vocab / 32)] int32, structured outputs) removes
+        the tokens a grammar forbids before anything else, so logprobs are those of the
+        constrained distribution."""
         assert logits.dim() == 2 and logits.shape[0] == plan.num_positions, (
             f"expected logits of shape [{plan.num_positions}, vocab], got {tuple(logits.shape)}"
         )
         logits = logits.float()
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits, token_bitmask)
         if plan.any_penalty:
             logits = penalise(
                 logits, tensors["seen_positions"], tensors["seen_tokens"], tensors["penalty"]

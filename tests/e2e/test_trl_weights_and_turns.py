@@ -4,6 +4,8 @@ turns, and every GRPOConfig generation setting honoured or refused at constructi
 
 from __future__ import annotations
 
+import re
+
 import copy
 import json
 import os
@@ -176,7 +178,7 @@ def test_two_turn_rollouts_push_weights_once_per_step_and_stay_awake(engine, lla
 # ------------------------------------------------------------------------------- settings
 @pytest.mark.parametrize("name", sorted(_REFUSED_UNLESS_DEFAULT))
 def test_generation_settings_the_engine_would_ignore_are_refused(name, tmp_path):
-    values = {"vllm_structured_outputs_regex": r"\d+", "vllm_tensor_parallel_size": 2,
+    values = {"vllm_tensor_parallel_size": 2,
               "vllm_max_model_length": 128, "vllm_gpu_memory_utilization": 0.5,
               "vllm_model_impl": "transformers", "use_transformers_continuous_batching": True,
               "use_transformers_paged": True, "cache_implementation": "static"}
@@ -199,8 +201,24 @@ def test_unknown_generation_kwargs_and_vespo_without_token_modes_are_refused(tmp
 
 
 def test_refused_setting_fails_at_construction(engine, llama_dir, tmp_path):
-    with EngineClient(engine.address) as client, pytest.raises(ValueError, match="regex"):
-        make_trainer(llama_dir, tmp_path, client, vllm_structured_outputs_regex=r"\d+")
+    with EngineClient(engine.address) as client, pytest.raises(ValueError, match="parallel"):
+        make_trainer(llama_dir, tmp_path, client, vllm_tensor_parallel_size=2)
+
+
+def test_trl_structured_outputs_regex_reaches_the_engine(engine, llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    regex = r"(yes|no) [0-9]{1,2}\."
+    client = EngineClient(engine.address, timeout=60)
+    trainer = make_trainer(llama_dir, tmp_path, client, vllm_structured_outputs_regex=regex,
+                           max_completion_length=24)
+    backend = trainer.engine_generation
+    backend.sync_weights()
+    _, completions, _, _ = backend.generate([[3, 14, 15]] * 2, None, num_generations=2)
+    tokenizer = AutoTokenizer.from_pretrained(str(llama_dir))
+    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+    assert all(re.fullmatch(regex, t) for t in texts), texts
+    client.close()
 
 
 def test_max_completion_length_none_generates_to_the_model_length(engine, llama_dir, tmp_path):

@@ -24,6 +24,7 @@ from rollout_engine.protocol import (
     InvalidRequestError,
     MemoryState,
     SamplingParams,
+    StructuredOutputsParams,
     SleepLevel,
     TagMemoryState,
     error_from_status,
@@ -37,6 +38,7 @@ WIRE_TYPES = [
     (TagMemoryState, pb.TagMemoryState),
     (MemoryState, pb.GetMemoryStateResponse),
     (EngineInfo, pb.GetInfoResponse),
+    (StructuredOutputsParams, pb.StructuredOutputsParams),
 ]
 TORCH_FREE_MODULES = [
     "rollout_engine",
@@ -50,6 +52,7 @@ TORCH_FREE_MODULES = [
     "rollout_engine.core.scheduler",
     "rollout_engine.core.scheduler_output",
     "rollout_engine.core.spec_decode",
+    "rollout_engine.core.structured_output",
 ]
 _FD = pb.SamplingParams.DESCRIPTOR.fields[0]  # any field: for the TYPE_* constants
 _PROTO_SCALARS = {
@@ -82,6 +85,10 @@ def _python_kind(hint) -> tuple[str, type | None]:
         return "dict", args[1]
     if origin in (typing.Union, types.UnionType) and type(None) in args:
         inner = next(a for a in args if a is not type(None))
+        if typing.get_origin(inner) is list:  # None travels as an empty repeated field
+            return "list", typing.get_args(inner)[0]
+        if dataclasses.is_dataclass(inner):  # None travels as an unset message
+            return "message", inner
         return "optional", str if typing.get_origin(inner) is typing.Literal else inner
     if typing.get_origin(hint) is typing.Literal:
         return "scalar", str
@@ -120,6 +127,12 @@ def test_codec_round_trips_every_wire_type():
     params = SamplingParams(n=3, temperature=0.5, seed=7, stop_token_ids=[1, 2], max_tokens=9)
     assert from_message(to_message(params, pb.SamplingParams()), SamplingParams) == params
     assert from_message(pb.SamplingParams(), SamplingParams) == SamplingParams()
+    for constraint in (StructuredOutputsParams(choice=["a", "b c"]),
+                       StructuredOutputsParams(json={"type": "object"}),
+                       StructuredOutputsParams(json_object=True)):
+        constrained = SamplingParams(max_tokens=9, structured_outputs=constraint)
+        message = to_message(constrained, pb.SamplingParams())
+        assert from_message(message, SamplingParams) == constrained
     running = CompletionOutput(index=1, token_ids=[4, 5], logprobs=[-0.5, -1.0])
     finished = dataclasses.replace(running, finish_reason="stop", text="hi", weight_version=3)
     for completion in (running, finished):

@@ -1,0 +1,249 @@
+"""Structured outputs on a real model with a byte-level BPE tokenizer (multi-character tokens
+and merges): every completion that finishes satisfies its constraint, greedy decoding equals
+Hugging Face `generate` with the same grammar mask as a logits processor, and bad constraints
+are refused without disturbing other requests."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+import pytest
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from rollout_engine import (
+    LLM,
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+from rollout_engine.core.structured_output import grammar_of
+from tests.integration.hf_oracle import load_hf_model
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "maxItems": 3},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+REGEX = r"(yes|no), [0-9]{1,3} (apples|pears)\."
+CHOICES = ["red", "green", "blue", "dark blue"]
+# Lark: sums of small integers.
+GRAMMAR = 'start: expr\nexpr: NUMBER | expr " + " NUMBER\nNUMBER: /[1-9][0-9]?/'
+GRAMMAR_LANGUAGE = r"[1-9][0-9]?( \+ [1-9][0-9]?)*"
+
+
+def satisfies_schema(value) -> bool:
+    if not isinstance(value, dict) or set(value) - {"name", "age", "tags"}:
+        return False
+    if not {"name", "age"} <= set(value):
+        return False
+    name, age, tags = value["name"], value["age"], value.get("tags", [])
+    return (
+        isinstance(name, str) and len(name) <= 8
+        and isinstance(age, int) and 0 <= age <= 120
+        and isinstance(tags, list) and len(tags) <= 3
+        and all(t in ("a", "bb", "ccc") for t in tags)
+    )
+
+
+CONSTRAINTS = {
+    "json": (StructuredOutputsParams(json=SCHEMA), lambda text: satisfies_schema(json.loads(text))),
+    "json_object": (StructuredOutputsParams(json_object=True),
+                    lambda text: isinstance(json.loads(text), dict)),
+    "regex": (StructuredOutputsParams(regex=REGEX), lambda text: re.fullmatch(REGEX, text)),
+    "choice": (StructuredOutputsParams(choice=CHOICES), lambda text: text in CHOICES),
+    "grammar": (StructuredOutputsParams(grammar=GRAMMAR),
+                lambda text: re.fullmatch(GRAMMAR_LANGUAGE, text)),
+}
+PROMPTS = ["Tell me about yourself:", "The answer is"]
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    engine = LLM(str(llama_dir))
+    yield engine
+    engine.engine.shutdown()
+
+
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+def test_every_finished_completion_satisfies_its_constraint(llm, name):
+    constraint, is_valid = CONSTRAINTS[name]
+    params = SamplingParams(n=8, temperature=1.0, max_tokens=96, seed=3,
+                            structured_outputs=constraint)
+    outputs = llm.generate(PROMPTS, params)
+    finished = [c for o in outputs for c in o.outputs if c.finish_reason == "stop"]
+    assert len(finished) >= 4, [c.finish_reason for o in outputs for c in o.outputs]
+    for completion in finished:
+        assert is_valid(completion.text), f"{name}: {completion.text!r}"
+    # Logprobs are those of the constrained distribution: a forced token has logprob 0.
+    assert all(lp <= 0.0 for o in outputs for c in o.outputs for lp in c.logprobs)
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+class GrammarMask(LogitsProcessor):
+    """The oracle's constraint: the same llguidance grammar, applied to HF's logits."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, prompt_len: int, vocab_size: int) -> None:
+        self.matcher, self.prompt_len, self.vocab_size = matcher, prompt_len, vocab_size
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[0, self.prompt_len :].tolist()
+        if generated:
+            assert self.matcher.consume_token(generated[-1])
+        mask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, mask, 0)
+        logits = scores.numpy().copy()
+        llguidance.numpy.apply_token_bitmask_inplace(logits, mask)
+        return torch.from_numpy(logits)
+
+
+@torch.inference_mode()
+def hf_constrained_greedy(llm, model_dir, prompt_ids, constraint, max_new_tokens):
+    tokenizer = llm.tokenizer
+    vocab_size = llm.engine.limits.vocab_size
+    ll_tokenizer = llguidance.hf.from_tokenizer(
+        tokenizer, n_vocab=vocab_size, eos_token=list(llm.engine.limits.eos_token_ids)
+    )
+    matcher = llguidance.LLMatcher(ll_tokenizer, grammar_of(constraint))
+    model = load_hf_model(str(model_dir))
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
+                              eos_token_id=list(llm.engine.limits.eos_token_ids), pad_token_id=0)
+    input_ids = torch.tensor([prompt_ids])
+    out = model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
+        logits_processor=LogitsProcessorList([GrammarMask(matcher, len(prompt_ids), vocab_size)]),
+    )
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.mark.parametrize("name", ["json", "regex", "choice", "grammar"])
+def test_greedy_equals_hf_generate_with_the_same_mask(llm, llama_dir, name):
+    constraint, _ = CONSTRAINTS[name]
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=constraint)
+    for prompt in PROMPTS:
+        (output,) = llm.generate([prompt], params)
+        expected = hf_constrained_greedy(llm, llama_dir, output.prompt_token_ids, constraint, 40)
+        assert output.outputs[0].token_ids == expected[: len(output.outputs[0].token_ids)]
+        if output.outputs[0].finish_reason == "stop":  # HF stops at the same EOS or goes on
+            assert len(expected) >= len(output.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize(
+    ("constraint", "words"),
+    [
+        (StructuredOutputsParams(regex="(a"), "unclosed group"),
+        (StructuredOutputsParams(json={"type": "objectx"}), "objectx"),
+        (StructuredOutputsParams(grammar="start: missing_rule"), "missing_rule"),
+    ],
+)
+def test_a_bad_constraint_is_refused_and_the_others_go_on(llm, constraint, words):
+    llm.engine.add_request("fine", "hello", SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequestError, match=words):
+        llm.engine.add_request("bad", "hello", SamplingParams(structured_outputs=constraint))
+    finals = {}
+    while llm.engine.has_unfinished_requests():
+        finals.update((o.request_id, o) for o in llm.engine.step() if o.finished)
+    assert set(finals) == {"fine"} and len(finals["fine"].outputs[0].token_ids) == 4
+
+
+def test_constraints_give_the_same_tokens_under_async_scheduling(llama_dir):
+    results = []
+    for async_scheduling in (False, True):
+        engine = LLM(str(llama_dir), async_scheduling=async_scheduling)
+        try:
+            outputs = [
+                engine.generate(
+                    PROMPTS + ["free text, unconstrained"],
+                    SamplingParams(n=3, temperature=1.0, max_tokens=48, seed=5,
+                                   structured_outputs=constraint if name != "free" else None),
+                )
+                for name, (constraint, _) in [*CONSTRAINTS.items(), ("free", (None, None))]
+            ]
+        finally:
+            engine.engine.shutdown()
+        results.append([[c.token_ids for o in out for c in o.outputs] for out in outputs])
+    assert results[1] == results[0]
+
+
+def test_the_bitmask_is_applied_bit_for_bit():
+    from rollout_engine.worker.sampler import apply_token_bitmask
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 70)).astype(np.float32)
+    mask = rng.integers(-(2**31), 2**31, size=(3, 3), dtype=np.int64).astype(np.int32)
+    expected = logits.copy()
+    llguidance.numpy.apply_token_bitmask_inplace(expected, mask)
+    got = apply_token_bitmask(torch.from_numpy(logits), torch.from_numpy(mask)).numpy()
+    assert np.array_equal(np.isinf(got), np.isinf(expected))
+    assert np.array_equal(got[~np.isinf(got)], expected[~np.isinf(expected)])
+
+
+@pytest.mark.parametrize("name", ["json", "regex", "grammar"])
+def test_speculation_keeps_the_constraint_and_the_greedy_tokens(llama_dir, name):
+    """Drafts are checked against the grammar: forbidden ones are rejected, the matcher rolls
+    back to the accepted prefix, and the tokens are those of plain decoding."""
+    constraint, is_valid = CONSTRAINTS[name]
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=constraint)
+    prompts = ["1 + 2 + 3 + 1 + 2 + 3 + 1 + 2 +", '{"name": "ab", "age": 1} {"name": "ab", "age":']
+    results = []
+    for k in (0, 3):
+        engine = LLM(str(llama_dir), num_speculative_tokens=k)
+        try:
+            outputs = engine.generate(prompts, params)
+            stats = engine.stats()
+        finally:
+            engine.engine.shutdown()
+        results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs])
+        for o in outputs:
+            if o.outputs[0].finish_reason == "stop":
+                assert is_valid(o.outputs[0].text), o.outputs[0].text
+    assert results[1] == results[0]
+    assert stats["spec_num_drafts"] > 0, "no draft was verified: the test proves nothing"
+
+
+def test_a_slow_compile_delays_only_its_own_request(llama_dir):
+    """Compiling happens off the engine thread: while one constraint compiles, other requests
+    are scheduled and finish; the constrained one starts once its grammar is ready."""
+    import threading
+
+    engine = LLM(str(llama_dir))
+    compiler = engine.engine._grammars()
+    release = threading.Event()
+    compile_grammar = compiler._compile
+
+    def slow_compile(grammar):
+        assert release.wait(30), "the test never released the compile"
+        return compile_grammar(grammar)
+
+    compiler._compile = slow_compile
+    try:
+        engine.engine.add_request(
+            "constrained", "hello",
+            SamplingParams(temperature=0.0, max_tokens=20,
+                           structured_outputs=StructuredOutputsParams(regex="(yes|no)!")),
+        )
+        engine.engine.add_request("free", "hello", SamplingParams(max_tokens=5, ignore_eos=True))
+        finals = {}
+        while "free" not in finals:
+            finals.update((o.request_id, o) for o in engine.engine.step() if o.finished)
+        assert "constrained" not in finals
+        assert engine.engine.scheduler.compiling_grammars(), "still waiting for its grammar"
+        release.set()
+        while engine.engine.has_unfinished_requests():
+            finals.update((o.request_id, o) for o in engine.engine.step() if o.finished)
+    finally:
+        release.set()
+        engine.engine.shutdown()
+    assert finals["constrained"].outputs[0].text in ("yes!", "no!")
+    assert finals["constrained"].outputs[0].finish_reason == "stop"
