@@ -210,6 +210,12 @@ def test_speculation_keeps_the_constraint_and_the_greedy_tokens(llama_dir, name)
                 assert is_valid(o.outputs[0].text), o.outputs[0].text
     assert results[1] == results[0]
     assert stats["spec_num_drafts"] > 0, "no draft was verified: the test proves nothing"
+    reference = LLM(str(llama_dir))
+    for prompt, (tokens, _) in zip(prompts, results[1]):
+        _, prompt_ids = reference.engine.processor.encode(prompt)
+        expected = hf_constrained_greedy(reference, llama_dir, prompt_ids, constraint, 60)
+        assert tokens == expected[: len(tokens)]
+    reference.engine.shutdown()
 
 
 def test_a_slow_compile_delays_only_its_own_request(llama_dir):
