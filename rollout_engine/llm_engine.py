@@ -182,6 +182,11 @@ class LLMEngine:
         `_fail_steps`. Requests it did not schedule go on at the next step.
         """
         landed, updated = False, []
+        if self._grammar_compiler is not None:
+            failed = self.scheduler.requests_with_failed_grammars()
+            if failed:  # compiling their constraint failed: they end as "abort"
+                logger.warning("ending %d requests whose constraint failed to compile", len(failed))
+                self.abort_request(self.output_processor.group_ids_of(failed))
         launched = self._schedule_and_launch()
         if self._in_flight and (
             not launched

@@ -191,6 +191,13 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return updated
 
+    def requests_with_failed_grammars(self) -> list[str]:
+        """Waiting requests whose constraint failed to compile (the engine ends them)."""
+        return [
+            r.request_id for r in self.waiting
+            if r.grammar is not None and r.grammar.error is not None
+        ]
+
     def compiling_grammars(self) -> list[RequestGrammar]:
         """Grammars that waiting requests wait for (structured outputs)."""
         return [
@@ -266,12 +273,10 @@ class Scheduler:
         }
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if request.grammar is not None and not request.grammar.is_ready:
-                held_back.append(self.waiting.popleft())  # compiling: the others go on
-                continue
-            if request.grammar is not None and request.grammar.error is not None:
-                self.waiting.popleft()
-                self._finish(request, "abort")  # its constraint could not be compiled
+            grammar = request.grammar
+            if grammar is not None and (not grammar.is_ready or grammar.error is not None):
+                # Compiling (the others go on), or failed to: the engine ends it.
+                held_back.append(self.waiting.popleft())
                 continue
             if request.group_id in prefilling_groups and request.num_computed_tokens == 0:
                 # A sibling is still writing this prompt's KV: wait and reuse its blocks.

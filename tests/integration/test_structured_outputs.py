@@ -253,3 +253,30 @@ def test_a_slow_compile_delays_only_its_own_request(llama_dir):
         engine.engine.shutdown()
     assert finals["constrained"].outputs[0].text in ("yes!", "no!")
     assert finals["constrained"].outputs[0].finish_reason == "stop"
+
+
+def test_a_constraint_that_fails_to_compile_ends_its_prompt_only(llama_dir):
+    engine = LLM(str(llama_dir))
+    compiler = engine.engine._grammars()
+
+    def failing_compile(grammar):
+        raise RuntimeError("the grammar library gave up")
+
+    compiler._compile = failing_compile
+    try:
+        engine.engine.add_request(
+            "constrained", "hello",
+            SamplingParams(n=2, structured_outputs=StructuredOutputsParams(regex="(yes|no)!")),
+        )
+        engine.engine.add_request("free", "hello", SamplingParams(max_tokens=5, ignore_eos=True))
+        finals = {}
+        for _ in range(200):
+            finals.update((o.request_id, o) for o in engine.engine.step() if o.finished)
+            if not engine.engine.has_unfinished_requests():
+                break
+        stats = engine.stats()
+    finally:
+        engine.engine.shutdown()
+    assert [c.finish_reason for c in finals["constrained"].outputs] == ["abort", "abort"]
+    assert len(finals["free"].outputs[0].token_ids) == 5
+    assert stats["num_free_blocks"] == stats["num_blocks"]
