@@ -120,17 +120,19 @@ class LLMEngine:
             raise InvalidRequestError("sampling_params must be a SamplingParams")
         self.worker.check_ready()
         text, token_ids = self.processor.encode(prompt)
-        constraint = sampling_params.structured_outputs
-        compiler = self._grammars() if constraint is not None else None
-        if compiler is not None:
-            compiler.validate(constraint)  # a bad schema or regex is refused before any child
+        compiled = None
+        if sampling_params.structured_outputs is not None:
+            from rollout_engine.core.structured_output import RequestGrammar  # llguidance
+
+            # A bad schema or regex is refused here, before any child is added.
+            compiled = self._grammars().compile(sampling_params.structured_outputs)
         group = RequestGroup(request_id, text, token_ids)
         for j in range(sampling_params.n):
             child = Request(
                 f"{request_id}/{j}", token_ids, sampling_params, group_id=request_id, sample_index=j
             )
-            if compiler is not None:
-                child.grammar = compiler.request_grammar(constraint)
+            if compiled is not None:
+                child.grammar = RequestGrammar(compiled)
             try:
                 self.scheduler.add_request(child)
             except Exception:
@@ -213,24 +215,20 @@ class LLMEngine:
         if scheduler_output.is_empty:
             self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput({}))
             return False
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            prepared = self.worker.prepare_model_input(scheduler_output)
-        except BaseException as exc:  # noqa: BLE001 - lands as this step's failure
-            future.set_exception(exc)
+        prepared = _run_here(self.worker.prepare_model_input, scheduler_output)
+        if prepared.exception() is not None:
+            future = prepared  # lands as this step's failure
         else:
+            step = prepared.result()
             grammars = self.scheduler.grammars_of(scheduler_output)
             if grammars is not None:
-                prepared.token_bitmask = concurrent.futures.Future()
+                step.token_bitmask = concurrent.futures.Future()
             if self._forward_thread is None:  # synchronous on an accelerator: run it here
-                self._compute_bitmask(prepared, grammars)
-                try:
-                    future.set_result(self.worker.run_model(prepared))
-                except BaseException as exc:  # noqa: BLE001 - lands as this step's failure
-                    future.set_exception(exc)
+                self._compute_bitmask(step, grammars)
+                future = _run_here(self.worker.run_model, step)
             else:
-                future = self._forward_thread.submit(self._run_model, prepared)
-                self._compute_bitmask(prepared, grammars)  # while the forward runs
+                future = self._forward_thread.submit(self._run_model, step)
+                self._compute_bitmask(step, grammars)  # while the forward runs
         self._in_flight.append((scheduler_output, future))
         return True
 
@@ -474,6 +472,16 @@ class LLMEngine:
     def weight_ptrs(self) -> dict[str, int]:
         """Address of every parameter the model uses; stable across sleep, wake and updates."""
         return self.worker.weight_ptrs()
+
+
+def _run_here(fn, *args) -> concurrent.futures.Future:
+    """`fn(*args)` run on this thread, as a done future: its result or what it raised."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:  # noqa: BLE001 - whoever lands the future gets it
+        future.set_exception(exc)
+    return future
 
 
 def _init_forward_thread(device) -> None:

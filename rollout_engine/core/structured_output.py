@@ -107,15 +107,16 @@ class GrammarCompiler:
             raise InvalidRequestError(f"invalid {params.kind} constraint: {error}")
         return grammar
 
-    def request_grammar(self, params: StructuredOutputsParams) -> RequestGrammar:
-        """A matcher for a new request (compiled once per distinct constraint)."""
+    def compile(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
+        """The compiled matcher of a constraint, validated here first and compiled once per
+        distinct constraint; each request wraps it in a `RequestGrammar` of its own."""
         grammar = self.validate(params)
         key = (params.kind, grammar)
         with self._lock:
             compiled = self._cache.get(key)
             if compiled is None:
                 compiled = self._cache[key] = self._executor.submit(self._compile, grammar)
-        return RequestGrammar(compiled)
+        return compiled
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)

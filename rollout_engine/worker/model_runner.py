@@ -57,7 +57,7 @@ class ModelRunner:
         # Async scheduling: the sampled tokens of the last step run, for placeholders.
         self._num_prepared = 0
         self._num_run = 0
-        self._previous_positions: dict[str, int] | None = None
+        self._previous_step: StepInputs | None = None
         self._last_sampled: torch.Tensor | None = None
         self.fault_injector: FaultInjector | None = None
         self._fault_hook: torch.utils.hooks.RemovableHandle | None = None
@@ -86,9 +86,9 @@ class ModelRunner:
             step = build_step_inputs(
                 scheduled, self.block_size, self.vocab_size, self.sampler, self.staging,
                 self.block_tables, host_block_tables=self.attention_backend == "cpu",
-                previous_positions=self._previous_positions,
+                previous_step=self._previous_step,
             )
-            self._previous_positions = step.last_positions
+            self._previous_step = step
         return PreparedStep(self._num_prepared, scheduler_output, step)
 
     @torch.inference_mode()

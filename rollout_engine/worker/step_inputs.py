@@ -8,6 +8,7 @@ one copy (`HostStaging`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from itertools import chain
 
@@ -44,9 +45,13 @@ class StepInputs:
     """Async scheduling: [R] rows of `input_ids` holding placeholders, to be filled with
     the previous step's sampled tokens at `patch_rows` (on the device, before the forward)."""
     patch_rows: torch.Tensor | None = None
-    last_positions: dict[str, int] | None = None
-    """Request id -> index of its last sampled position in this step's token vector (what
-    the next step's placeholders read)."""
+
+    @functools.cached_property
+    def last_positions(self) -> dict[str, int]:
+        """Request id -> index of its last sampled position in this step's token vector (what
+        the next step's placeholders read; built only when one does)."""
+        ends = np.cumsum([len(drafts) + 1 for drafts in self.sampling_plan.drafts]) - 1
+        return dict(zip(self.sampled_request_ids, ends.tolist()))
 
 
 class BlockTables:
@@ -168,19 +173,20 @@ def build_step_inputs(
     staging: HostStaging,
     block_tables: BlockTables,
     host_block_tables: bool = False,
-    previous_positions: dict[str, int] | None = None,
+    previous_step: StepInputs | None = None,
 ) -> StepInputs:
     """Host arrays for the forward and the sampler, moved to the device in one copy.
 
     `host_block_tables` also hands the kernels the tables as lists (the CPU kernels plan
-    on the host; it costs O(blocks) Python). `previous_positions` is the last step's
-    `last_positions`, for the placeholders of async scheduling.
+    on the host; it costs O(blocks) Python). `previous_step` is the step prepared before this
+    one, whose sampled tokens fill the placeholders of async scheduling.
     """
     arrays, query_lens = host_arrays(scheduled, block_size, block_tables)
     arrays["logits_rows"] = logits_rows(scheduled, arrays["query_start_loc"])
     from_previous = [i for i, r in enumerate(scheduled) if r.input_from_previous_step]
     if from_previous:
-        assert previous_positions is not None, "placeholders without a previous step"
+        assert previous_step is not None, "placeholders without a previous step"
+        previous_positions = previous_step.last_positions
         # A placeholder is its request's only input token: the first of its query.
         arrays["patch_positions"] = arrays["query_start_loc"][from_previous].astype(np.int64)
         arrays["patch_rows"] = np.array(
@@ -218,8 +224,4 @@ def build_step_inputs(
         and all(q == 1 for q in query_lens),
         patch_positions=on_device.get("patch_positions"),
         patch_rows=on_device.get("patch_rows"),
-        last_positions=dict(
-            zip((r.request_id for r in sampled),
-                (np.cumsum([r.num_spec_tokens + 1 for r in sampled]) - 1).tolist())
-        ) if sampled else {},
     )

@@ -11,7 +11,11 @@ import random
 import pytest
 
 from rollout_engine.core.request import RequestStatus
-from rollout_engine.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput
+from rollout_engine.core.scheduler_output import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from tests.unit.factories import (
     FakeModelRunner,
     check_ledger_invariants,
@@ -270,38 +274,34 @@ class AsyncStressRun(StressRun):
     """The random workload of the stress test, driven one step ahead, with aborts landing
     between a step's scheduling and its outputs."""
 
-    def run(self):
-        num_groups_added = 0
-        in_flight = None
-        while (
-            num_groups_added < self.config.num_groups
-            or self.scheduler.has_unfinished_requests()
-            or in_flight is not None
-        ):
-            while num_groups_added < self.config.num_groups and self._arrives():
-                self._add_group(f"s{self._seed}-g{num_groups_added}")
-                num_groups_added += 1
-            if self.rng.random() < self.config.abort_prob:
-                self._abort_random()
-            launched = None
-            if self.scheduler.has_unfinished_requests():
-                output = self.scheduler.schedule()
-                self.stats.num_preemptions += len(output.preempted_request_ids)
-                if not output.is_empty:
-                    launched = (output, self.runner.execute(output))
-                else:
-                    assert in_flight is not None, "stalled"
-                    self.scheduler.update_from_output(output, ModelRunnerOutput({}))
-            if self.rng.random() < self.config.abort_prob / 2:
-                self._abort_random()  # arrives while steps are in flight
-            if in_flight is not None:
-                self.scheduler.update_from_output(*in_flight)
-            in_flight = launched
-            check_ledger_invariants(self.scheduler, num_in_flight=int(in_flight is not None))
-            self.stats.num_steps += 1
-            assert self.stats.num_steps < 50 * self.config.num_groups + 1000, "no progress"
-        self._check_final()
-        return self.stats
+    async_scheduling = True
+
+    def __init__(self, seed: int, config: StressConfig) -> None:
+        super().__init__(seed, config)
+        self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+
+    def _has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
+
+    def _step(self) -> None:
+        if self.rng.random() < self.config.abort_prob:
+            self._abort_random()
+        launched = None
+        if self.scheduler.has_unfinished_requests():
+            output = self.scheduler.schedule()
+            self.stats.num_preemptions += len(output.preempted_request_ids)
+            if not output.is_empty:
+                launched = (output, self.runner.execute(output))
+            else:
+                assert self.in_flight is not None, "stalled"
+                self.scheduler.update_from_output(output, ModelRunnerOutput({}))
+        if self.rng.random() < self.config.abort_prob / 2:
+            self._abort_random()  # arrives while steps are in flight
+        if self.in_flight is not None:
+            self.scheduler.update_from_output(*self.in_flight)
+        self.in_flight = launched
+        check_ledger_invariants(self.scheduler, num_in_flight=int(launched is not None))
+        self.stats.num_steps += 1
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -315,16 +315,6 @@ class AsyncStressRun(StressRun):
 )
 def test_random_workload_under_async_scheduling(config: StressConfig, seed: int) -> None:
     run = AsyncStressRun(seed, config)
-    run.scheduler = make_scheduler(
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs,
-        max_model_len=config.max_model_len,
-        block_size=config.block_size,
-        num_blocks=config.num_blocks,
-        eos_token_ids=[EOS],
-        async_scheduling=True,
-    )
-    run.runner = FakeModelRunner(run.scheduler, token_fn=stress_token)
     stats = run.run()
     stats.num_hit_tokens = run.scheduler.num_prefix_hit_tokens
     assert_run_was_eventful(stats, run.runner, config)

@@ -77,6 +77,8 @@ def expected_completion(request: Request, max_model_len: int) -> tuple[list[int]
 class StressRun:
     """Drives one scheduler with random arrivals, drafts and aborts, checking every step."""
 
+    async_scheduling = False
+
     def __init__(self, seed: int, config: StressConfig) -> None:
         self.rng = random.Random(seed)
         self.config = config
@@ -89,6 +91,7 @@ class StressRun:
             enable_prefix_caching=config.enable_prefix_caching,
             num_speculative_tokens=config.num_speculative_tokens,
             eos_token_ids=[EOS],
+            async_scheduling=self.async_scheduling,
         )
         self.runner = FakeModelRunner(self.scheduler, token_fn=stress_token)
         self.prefixes = [fresh_token_ids(self.rng.randint(4, 24)) for _ in range(4)]
@@ -99,7 +102,7 @@ class StressRun:
 
     def run(self) -> StressStats:
         num_groups_added = 0
-        while num_groups_added < self.config.num_groups or self.scheduler.has_unfinished_requests():
+        while num_groups_added < self.config.num_groups or self._has_work():
             while num_groups_added < self.config.num_groups and self._arrives():
                 self._add_group(f"s{self._seed}-g{num_groups_added}")
                 num_groups_added += 1
@@ -107,6 +110,9 @@ class StressRun:
             assert self.stats.num_steps < 50 * self.config.num_groups + 1000, "no progress"
         self._check_final()
         return self.stats
+
+    def _has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
 
     def _arrives(self) -> bool:
         """Random arrivals, held back while the queue is long (keeps each step cheap)."""

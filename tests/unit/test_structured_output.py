@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rollout_engine.core.structured_output import GrammarCompiler
+from rollout_engine.core.structured_output import GrammarCompiler, RequestGrammar
 from rollout_engine.protocol import InvalidRequestError, StructuredOutputsParams
 from rollout_engine.tiny_model import build_tokenizer
 
@@ -39,7 +39,8 @@ def test_params_need_exactly_one_constraint():
 
 def test_a_constraint_compiles_once_and_each_request_has_its_own_matcher(compiler):
     params = StructuredOutputsParams(regex="(ab)+")
-    first, second = compiler.request_grammar(params), compiler.request_grammar(params)
+    first = RequestGrammar(compiler.compile(params))
+    second = RequestGrammar(compiler.compile(params))
     first.wait(10)
     second.wait(10)
     assert first._compiled is second._compiled, "compiled once, cached by constraint"
@@ -50,7 +51,7 @@ def test_a_constraint_compiles_once_and_each_request_has_its_own_matcher(compile
 
 def test_the_bitmask_over_drafts_stops_at_a_forbidden_draft_and_rolls_back(compiler):
     a, b = (compiler.hf_tokenizer.convert_tokens_to_ids(t) for t in ("a", "b"))
-    grammar = compiler.request_grammar(StructuredOutputsParams(regex="(ab)+"))
+    grammar = RequestGrammar(compiler.compile(StructuredOutputsParams(regex="(ab)+")))
     grammar.wait(10)
     before = compiler.bitmask([(grammar, [])])
     mask = compiler.bitmask([(None, [7]), (grammar, [a, a, b])])
@@ -66,4 +67,4 @@ def test_the_bitmask_over_drafts_stops_at_a_forbidden_draft_and_rolls_back(compi
 
 def test_a_bad_constraint_is_refused_with_the_library_message(compiler):
     with pytest.raises(InvalidRequestError, match="unclosed group"):
-        compiler.request_grammar(StructuredOutputsParams(regex="(a"))
+        compiler.compile(StructuredOutputsParams(regex="(a"))
