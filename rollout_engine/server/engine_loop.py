@@ -192,13 +192,17 @@ class EngineLoop:
             return
         while True:
             if future.set_running_or_notify_cancel():
+                # Not busy before the caller hears back: health read right after a command
+                # returns must not see a stall that has ended.
                 self._busy_since_s = time.monotonic()
                 try:
-                    future.set_result(fn())
+                    result = fn()
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    future.set_exception(exc)
-                finally:
                     self._busy_since_s = None
+                    future.set_exception(exc)
+                else:
+                    self._busy_since_s = None
+                    future.set_result(result)
             try:
                 fn, future = self._commands.get_nowait()
             except queue.Empty:
