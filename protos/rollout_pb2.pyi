@@ -19,7 +19,7 @@ TRANSPORT_SHM: Transport
 TRANSPORT_CUDA_IPC: Transport
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "stop_token_ids", "ignore_eos", "detokenize", "structured_outputs")
+    __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "stop_token_ids", "ignore_eos", "detokenize", "structured_outputs", "kv_transfer_params")
     N_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     DETOKENIZE_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     n: int
     temperature: float
     top_p: float
@@ -44,7 +45,30 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     detokenize: bool
     structured_outputs: StructuredOutputsParams
-    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., detokenize: _Optional[bool] = ..., structured_outputs: _Optional[_Union[StructuredOutputsParams, _Mapping]] = ...) -> None: ...
+    kv_transfer_params: KVTransferParams
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., detokenize: _Optional[bool] = ..., structured_outputs: _Optional[_Union[StructuredOutputsParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
+
+class KVTransferParams(_message.Message):
+    __slots__ = ("do_remote_decode", "do_remote_prefill", "transfer_id", "transport", "location", "num_tokens", "prompt_hash", "layout", "weight_version")
+    DO_REMOTE_DECODE_FIELD_NUMBER: _ClassVar[int]
+    DO_REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_HASH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    do_remote_decode: bool
+    do_remote_prefill: bool
+    transfer_id: str
+    transport: str
+    location: str
+    num_tokens: int
+    prompt_hash: str
+    layout: str
+    weight_version: int
+    def __init__(self, do_remote_decode: _Optional[bool] = ..., do_remote_prefill: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., transport: _Optional[str] = ..., location: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prompt_hash: _Optional[str] = ..., layout: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class StructuredOutputsParams(_message.Message):
     __slots__ = ("json", "regex", "choice", "grammar", "json_object")
@@ -75,20 +99,22 @@ class Prompt(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class CompletionOutput(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "text", "weight_version")
+    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "text", "weight_version", "kv_transfer_params")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: str
     text: str
     weight_version: int
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    kv_transfer_params: KVTransferParams
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., weight_version: _Optional[int] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
 
 class CompletionDelta(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs")
@@ -293,6 +319,22 @@ class UpdateWeightsResponse(_message.Message):
     bucket_done: int
     weight_version: int
     def __init__(self, manifest_accepted: _Optional[bool] = ..., bucket_done: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class PullKVRequest(_message.Message):
+    __slots__ = ("transfer_id",)
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
+
+class PullKVResponse(_message.Message):
+    __slots__ = ("shape", "dtype", "data")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    data: bytes
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

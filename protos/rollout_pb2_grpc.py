@@ -79,6 +79,11 @@ class RolloutEngineStub:
                 request_serializer=protos_dot_rollout__pb2.GetMemoryStateRequest.SerializeToString,
                 response_deserializer=protos_dot_rollout__pb2.GetMemoryStateResponse.FromString,
                 _registered_method=True)
+        self.PullKV = channel.unary_stream(
+                '/rollout.v1.RolloutEngine/PullKV',
+                request_serializer=protos_dot_rollout__pb2.PullKVRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.PullKVResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutEngineServicer:
@@ -148,6 +153,16 @@ class RolloutEngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullKV(self, request, context):
+        """Prefill–decode disaggregation, transport "grpc": a decode engine pulls the KV that a
+        prefill of this server saved (CompletionOutput.kv_transfer_params names it). The first
+        message carries the tensor's shape and dtype, then its bytes in chunks. NOT_FOUND once
+        the handle was pulled or expired.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutEngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +210,11 @@ def add_RolloutEngineServicer_to_server(servicer, server):
                     servicer.GetMemoryState,
                     request_deserializer=protos_dot_rollout__pb2.GetMemoryStateRequest.FromString,
                     response_serializer=protos_dot_rollout__pb2.GetMemoryStateResponse.SerializeToString,
+            ),
+            'PullKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullKV,
+                    request_deserializer=protos_dot_rollout__pb2.PullKVRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.PullKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -440,6 +460,33 @@ class RolloutEngine:
             '/rollout.v1.RolloutEngine/GetMemoryState',
             protos_dot_rollout__pb2.GetMemoryStateRequest.SerializeToString,
             protos_dot_rollout__pb2.GetMemoryStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rollout.v1.RolloutEngine/PullKV',
+            protos_dot_rollout__pb2.PullKVRequest.SerializeToString,
+            protos_dot_rollout__pb2.PullKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -244,6 +244,21 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         default=None,
                         help="schedule and prepare the next step while the current one "
                         "computes (default: the engine's)")
+    kv = parser.add_argument_group("prefill-decode disaggregation")
+    kv.add_argument("--kv-role", choices=["prefill", "decode", "both"],
+                    help="save prompts' KV for a decode engine (prefill), load it (decode), or "
+                    "either (both); unset: no KV transfers")
+    kv.add_argument("--kv-peer", metavar="ADDR",
+                    help="decode side: the prefill server to pull KV from over gRPC (default: "
+                    "the address each handle names)")
+    kv.add_argument("--kv-transport", choices=["shm", "grpc", "cuda_ipc"],
+                    help="prefill side: how the KV is handed over (default: shm, one host)")
+    kv.add_argument("--kv-transfer-timeout-s", type=float,
+                    help="decode side: give a transfer up after this long and compute the "
+                    "prompt here (default: 30)")
+    kv.add_argument("--kv-handle-ttl-s", type=float,
+                    help="prefill side: drop saved KV nobody pulled after this long "
+                    "(default: 120)")
     parser.add_argument("--log-level", default="WARNING",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="(default: %(default)s)")
@@ -253,7 +268,8 @@ _SERVE_ENGINE_OPTIONS = (
     "dtype", "device", "seed", "cpu_threads", "cuda_graphs", "kv_cache_bytes", "num_blocks", "block_size",
     "gpu_memory_utilization",
     "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_speculative_tokens",
-    "async_scheduling",
+    "async_scheduling", "kv_role", "kv_peer", "kv_transport", "kv_transfer_timeout_s",
+    "kv_handle_ttl_s",
 )
 
 

@@ -11,7 +11,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rollout_engine.protocol import DEFAULT_MAX_MESSAGE_BYTES
+from rollout_engine.protocol import DEFAULT_MAX_MESSAGE_BYTES, KV_TRANSPORTS
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 
@@ -149,6 +149,41 @@ class MemoryConfig:
         _require(self.timeline_max_events >= 1, "timeline_max_events must be >= 1")
 
 
+KVRole = Literal["prefill", "decode", "both"]
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill–decode disaggregation (DESIGN "The step loop"): which side of a KV transfer
+    this engine plays, and how the KV moves."""
+
+    kv_role: KVRole | None = None
+    """"prefill" saves prompts' KV for a decode engine, "decode" loads it, "both" does
+    either; None refuses every KV transfer."""
+    kv_transport: str = "shm"
+    """How this engine, as the prefill side, hands KV over: "shm" (/dev/shm, one host),
+    "grpc" (pulled from this server, any host) or "cuda_ipc" (one GPU)."""
+    kv_peer: str | None = None
+    """Decode side, transport "grpc": the prefill server to pull from when a handle names
+    none (an offline engine's handle)."""
+    kv_transfer_timeout_s: float = 30.0
+    """Decode side: a transfer not done by then is given up, and the prompt recomputed."""
+    kv_handle_ttl_s: float = 120.0
+    """Prefill side: saved KV nobody pulled is dropped after this long."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.kv_role in (None, "prefill", "decode", "both"),
+            f"kv_role must be prefill, decode or both, got {self.kv_role!r}",
+        )
+        _require(
+            self.kv_transport in KV_TRANSPORTS,
+            f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}",
+        )
+        _require(self.kv_transfer_timeout_s > 0, "kv_transfer_timeout_s must be > 0")
+        _require(self.kv_handle_ttl_s > 0, "kv_handle_ttl_s must be > 0")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """How the gRPC server listens and admits work."""
@@ -207,6 +242,7 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     memory_config: MemoryConfig = field(default_factory=MemoryConfig)
+    kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -225,6 +261,7 @@ class EngineConfig:
             cache_config=CacheConfig(**groups["cache_config"]),
             speculative_config=SpeculativeConfig(**groups["speculative_config"]),
             memory_config=MemoryConfig(**groups["memory_config"]),
+            kv_transfer_config=KVTransferConfig(**groups["kv_transfer_config"]),
         )
 
 
@@ -244,6 +281,7 @@ _GROUPS: dict[str, type] = {
     "cache_config": CacheConfig,
     "speculative_config": SpeculativeConfig,
     "memory_config": MemoryConfig,
+    "kv_transfer_config": KVTransferConfig,
 }
 _FIELD_OWNER: dict[str, str] = {
     f.name: group

@@ -105,4 +105,5 @@ class OutputProcessor:
             finish_reason=request.finish_reason,
             text=text,
             weight_version=weight_version,
+            kv_transfer_params=request.kv_transfer_handle,
         )

@@ -161,6 +161,12 @@ class WeightUpdateError(InvalidArgumentError):
     """A weight update was refused (unknown name, wrong shape or dtype, incomplete)."""
 
 
+class KVTransferError(InvalidArgumentError):
+    """A KV transfer handle this engine cannot use: its role, a layout, model or weight
+    version that differs from the prefill engine's, or a prompt that is not the one
+    prefilled (prefill–decode disaggregation)."""
+
+
 class EngineSleepingError(FailedPreconditionError):
     """Weights or KV cache are not ready; call `wake_up(...)` (and update weights) first."""
 
@@ -192,7 +198,7 @@ ERROR_TYPES: dict[str, type[EngineError]] = {
         InternalError, UnavailableError, UnauthenticatedError, DeadlineExceededError,
         InvalidRequestError, ModelLoadError, WeightUpdateError, EngineSleepingError,
         EngineBusyError, OutOfBlocksError, AdmissionError, DeviceOutOfMemoryError,
-        StepFailedError,
+        StepFailedError, KVTransferError,
     )
 }
 _ERRORS_BY_CODE: dict[str, type[EngineError]] = {
@@ -267,6 +273,59 @@ def _check_structured(ok: bool, message: str) -> None:
         raise InvalidRequestError(f"invalid StructuredOutputsParams: {message}")
 
 
+KV_TRANSPORTS = ("shm", "grpc", "cuda_ipc")
+"""How a prefill engine hands KV to a decode engine: a /dev/shm file on one host, a gRPC
+stream from the prefill server (any host), or a CUDA IPC handle (one GPU)."""
+
+
+@dataclass
+class KVTransferParams:
+    """Prefill–decode disaggregation (vLLM's `kv_transfer_params`).
+
+    To a prefill engine: `KVTransferParams(do_remote_decode=True)` with `max_tokens=1`; the
+    completion comes back with a handle (`CompletionOutput.kv_transfer_params`). To a decode
+    engine: that handle, as it is, with the same prompt: the engine loads the prompt's KV
+    instead of computing it, and computes it itself if the transfer fails.
+    """
+
+    do_remote_decode: bool = False
+    """Prefill side: keep this prompt's KV for a decode engine and return a handle."""
+    do_remote_prefill: bool = False
+    """Decode side: this is a handle; load the KV it names."""
+    transfer_id: str = ""
+    transport: str = ""
+    """One of KV_TRANSPORTS."""
+    location: str = ""
+    """Where the KV is: the /dev/shm file name, the prefill server's address (grpc), or the
+    CUDA IPC handle as JSON."""
+    num_tokens: int = 0
+    """The leading prompt positions whose KV the handle holds."""
+    prompt_hash: str = ""
+    """SHA-256 of those positions' token ids: a handle is only used for the same prompt."""
+    layout: str = ""
+    """The prefill engine's KV layout and model (KVLayout.key): they must match exactly."""
+    weight_version: int = 0
+    """The weight version that computed the KV: the decode engine's must be the same."""
+
+    def __post_init__(self) -> None:
+        if self.do_remote_decode and self.do_remote_prefill:
+            raise InvalidRequestError(
+                "kv_transfer_params: set do_remote_decode (to a prefill engine) or "
+                "do_remote_prefill (a handle, to a decode engine), not both"
+            )
+        if self.do_remote_prefill:
+            if self.transport not in KV_TRANSPORTS:
+                raise InvalidRequestError(
+                    f"kv_transfer_params: transport must be one of {KV_TRANSPORTS}, "
+                    f"got {self.transport!r}"
+                )
+            if not self.transfer_id or self.num_tokens < 1:
+                raise InvalidRequestError(
+                    "kv_transfer_params: a handle needs a transfer_id and num_tokens >= 1 "
+                    "(pass the prefill engine's CompletionOutput.kv_transfer_params as it is)"
+                )
+
+
 @dataclass
 class SamplingParams:
     """How to sample one prompt's completions (vLLM's names and defaults), validated on
@@ -296,6 +355,9 @@ class SamplingParams:
     """Fill `CompletionOutput.text` when a completion finishes."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the completions (JSON Schema, regex, choice, grammar); None: free text."""
+    kv_transfer_params: KVTransferParams | None = None
+    """Prefill–decode disaggregation: save the prompt's KV for a decode engine, or load it
+    from a prefill engine's handle (see KVTransferParams)."""
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids)
@@ -323,6 +385,15 @@ class SamplingParams:
             self.structured_outputs is None
             or isinstance(self.structured_outputs, StructuredOutputsParams),
             "structured_outputs must be a StructuredOutputsParams or None",
+        )
+        kv = self.kv_transfer_params
+        _check(
+            kv is None or isinstance(kv, KVTransferParams),
+            "kv_transfer_params must be a KVTransferParams or None",
+        )
+        _check(
+            kv is None or not kv.do_remote_decode or self.n == 1,
+            f"a prefill for a remote decode (do_remote_decode) samples n=1, got n={self.n}",
         )
 
     @property
@@ -352,6 +423,9 @@ class CompletionOutput:
     text: str = ""
     weight_version: int = 0
     """The weight version that produced this completion."""
+    kv_transfer_params: KVTransferParams | None = None
+    """A prefill for a remote decode: the handle of the prompt's KV, to pass to the decode
+    engine (None if saving it failed: the decode engine then computes the prompt)."""
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,8 @@ from rollout_engine.protocol import (
     FailedPreconditionError,
     InternalError,
     InvalidArgumentError,
+    KVTransferError,
+    KVTransferParams,
     MemoryState,
     RequestOutput,
     ResourceExhaustedError,
@@ -23,10 +25,12 @@ from rollout_engine.protocol import (
     UnavailableError,
 )
 from trainer_bridge.client import EngineClient
+from trainer_bridge.disaggregated import DisaggregatedClient
 
 __all__ = [
     "CompletionOutput",
     "DeadlineExceededError",
+    "DisaggregatedClient",
     "EngineBusyError",
     "EngineClient",
     "EngineError",
@@ -35,6 +39,8 @@ __all__ = [
     "FailedPreconditionError",
     "InternalError",
     "InvalidArgumentError",
+    "KVTransferError",
+    "KVTransferParams",
     "MemoryState",
     "RequestOutput",
     "ResourceExhaustedError",

@@ -111,22 +111,13 @@ class EngineClient:
         """One RequestOutput per prompt, in order (GenerateBatch; never retried)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        request = pb.GenerateBatchRequest(prompts=[_prompt_proto(p) for p in prompts])
-        if isinstance(sampling_params, Sequence):
-            request.per_prompt_sampling_params.extend(_params_proto(p) for p in sampling_params)
-        else:
-            request.sampling_params.CopyFrom(_params_proto(sampling_params))
         collected: dict[int, tuple[list[int], list[CompletionOutput]]] = {}
-        try:
-            for message in self._stub.GenerateBatch(
-                request, metadata=self._metadata, timeout=self._deadline(timeout)
-            ):
-                for item in message.completions:
-                    entry = collected.setdefault(item.prompt_index, ([], []))
-                    entry[0].extend(item.prompt_token_ids)
-                    entry[1].append(_completion(item.output))
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from None
+        for index, prompt_token_ids, completion in self.iter_completions(
+            prompts, sampling_params, timeout
+        ):
+            entry = collected.setdefault(index, ([], []))
+            entry[0].extend(prompt_token_ids)
+            entry[1].append(completion)
         if len(collected) != len(prompts):
             raise EngineError("the server ended the stream before every prompt finished")
         return [
@@ -138,6 +129,31 @@ class EngineClient:
             )
             for i, p in enumerate(prompts)
         ]
+
+    def iter_completions(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[tuple[int, list[int], CompletionOutput]]:
+        """(prompt index, prompt token ids (with a prompt's first completion only), the
+        completion) for each completion, as soon as it finishes (GenerateBatch)."""
+        request = pb.GenerateBatchRequest(prompts=[_prompt_proto(p) for p in prompts])
+        if isinstance(sampling_params, Sequence):
+            request.per_prompt_sampling_params.extend(_params_proto(p) for p in sampling_params)
+        else:
+            request.sampling_params.CopyFrom(_params_proto(sampling_params))
+        call = self._stub.GenerateBatch(
+            request, metadata=self._metadata, timeout=self._deadline(timeout)
+        )
+        try:
+            for message in call:
+                for item in message.completions:
+                    yield item.prompt_index, list(item.prompt_token_ids), _completion(item.output)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+        finally:
+            call.cancel()
 
     def generate_stream(
         self,

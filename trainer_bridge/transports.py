@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 
+from memory.cuda_ipc import cuda_ipc_descriptor
 from protos import rollout_pb2 as pb
 from rollout_engine.protocol import WeightUpdateError
 
@@ -387,25 +388,10 @@ class SharedSlots:
         """Share the CUDA buffers anew: each share carries one reference that the server's
         process releases when it lets go of the buffer at the end of the update."""
         if self.kind == "cuda_ipc":
-            self._descriptors = [_cuda_ipc_descriptor(b) for b in self.buffers]
+            self._descriptors = [cuda_ipc_descriptor(b) for b in self.buffers]
 
     def _add_cuda_slot(self, device: torch.device) -> None:
         self.buffers.append(torch.empty(self.slot_bytes, dtype=torch.uint8, device=device))
-
-
-def _cuda_ipc_descriptor(buffer: torch.Tensor) -> dict:
-    """CudaIpcHandle fields of a CUDA buffer, from torch.multiprocessing's own reduction."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    _, args = reduce_tensor(buffer)
-    return {
-        "device": args[6], "handle": args[7], "storage_size_bytes": args[8],
-        "storage_offset_bytes": args[9], "ref_counter_handle": args[11],
-        "ref_counter_offset": args[12], "event_handle": args[13] or b"",
-        "event_sync_required": bool(args[14]), "buffer_offset_bytes": args[3],
-        "buffer_num_bytes": buffer.numel(),
-        "device_uuid": str(torch.cuda.get_device_properties(buffer.device).uuid),
-    }
 
 
 def _unlink_all(paths: list[str]) -> None:

@@ -86,11 +86,18 @@ class KVCacheManager:
         return hits, len(hits) * bs
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+        delay_cache_blocks: bool = False,
     ) -> bool:
         """Make room for `num_new_tokens` more positions (drafts included).
 
-        Returns False, changing nothing, when the pool has too few free blocks.
+        With `delay_cache_blocks` the new blocks are not offered to the step being scheduled
+        either: their KV arrives from a remote engine, and they enter the prefix cache
+        (`cache_blocks`) only once it has. Returns False, changing nothing, when the pool has
+        too few free blocks.
         """
         blocks = self._blocks.setdefault(request.request_id, [])
         block_ids = self._block_ids.setdefault(request.request_id, [])
@@ -109,7 +116,7 @@ class KVCacheManager:
             new_blocks += self.block_pool.allocate(num_needed)
         blocks.extend(new_blocks)
         block_ids.extend(b.block_id for b in new_blocks)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and not delay_cache_blocks:
             # Only committed tokens are hashed, never drafts.
             self._add_pending(request, min(num_total, request.num_tokens))
         return True

@@ -6,7 +6,7 @@ import enum
 
 from typing import TYPE_CHECKING
 
-from rollout_engine.protocol import FinishReason, SamplingParams
+from rollout_engine.protocol import FinishReason, KVTransferParams, SamplingParams
 
 if TYPE_CHECKING:
     from rollout_engine.core.structured_output import RequestGrammar
@@ -16,6 +16,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    """Its blocks are allocated and a KV transfer from a prefill engine fills them."""
     FINISHED = "finished"
 
 
@@ -55,6 +57,14 @@ class Request:
         self.num_steps_in_flight = 0
         """Scheduled steps of this request whose outputs have not landed yet."""
         self.num_preemptions = 0
+        self.kv_transfer_params = sampling_params.kv_transfer_params
+        """Prefill–decode disaggregation: save the prompt's KV when finished
+        (`do_remote_decode`), or load it from this handle (`do_remote_prefill`). Set to None
+        once a load is done with, whatever its outcome: a request loads at most once."""
+        self.kv_transfer_handle: KVTransferParams | None = None
+        """Prefill side: the handle of the KV saved when it finished (None if not saved)."""
+        self.num_external_computed_tokens = 0
+        """Positions whose KV came, or is coming, from a remote engine instead of a forward."""
         self.grammar: RequestGrammar | None = None
         """Structured outputs: the matcher of the request's constraint (set by the engine)."""
         self.status = RequestStatus.WAITING
@@ -75,6 +85,18 @@ class Request:
     @property
     def num_tokens_with_spec(self) -> int:
         return self.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def wants_remote_kv(self) -> bool:
+        """Decode side of a disaggregated prefill: its prompt's KV is to be loaded."""
+        params = self.kv_transfer_params
+        return params is not None and params.do_remote_prefill
+
+    @property
+    def saves_kv(self) -> bool:
+        """Prefill side: its prompt's KV is kept for a decode engine when it finishes."""
+        params = self.kv_transfer_params
+        return params is not None and params.do_remote_decode
 
     @property
     def is_finished(self) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rollout_engine.protocol import SamplingParams
+from rollout_engine.protocol import KVTransferParams, SamplingParams
 
 PLACEHOLDER_TOKEN_ID = -1
 """Stands for a token that a step in flight is sampling (async scheduling)."""
@@ -43,6 +43,20 @@ class ScheduledRequest:
     """References to the request's lists (read-only for the runner), for penalties."""
 
 
+@dataclass(frozen=True)
+class KVLoad:
+    """A KV transfer to start: the handle's KV for positions [start_position,
+    start_position + num_tokens) goes into the request's blocks (prefill–decode
+    disaggregation). The blocks are not in the prefix cache until the load completes."""
+
+    request_id: str
+    params: KVTransferParams
+    block_ids: tuple[int, ...]
+    start_position: int
+    """Positions before it are local prefix-cache hits: a multiple of the block size."""
+    num_tokens: int
+
+
 @dataclass
 class SchedulerOutput:
     """Everything the model runner needs for one step; the scheduler's only message to it."""
@@ -54,9 +68,13 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     """Requests that ended since the last step; the runner drops their state."""
+    kv_loads: list[KVLoad] = field(default_factory=list)
+    """KV connector metadata: transfers that this step starts. They complete in the
+    background; no step reads their blocks before then."""
 
     @property
     def is_empty(self) -> bool:
+        """No positions to compute (KV loads may still have been started)."""
         return self.total_num_scheduled_tokens == 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -85,6 +86,8 @@ async def serve(engine: LLMEngine, config: ServerConfig, model_name: str = "") -
     except RuntimeError as exc:
         engine_loop.stop()
         raise OSError(f"cannot bind {host}:{config.port}: {exc}") from None
+    if engine.kv_transfer is not None:  # handles of KV saved here name this server
+        engine.kv_transfer.address = advertised_address(config.host, port)
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -101,6 +104,13 @@ async def serve(engine: LLMEngine, config: ServerConfig, model_name: str = "") -
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.shutdown_grace_s)
     engine_loop.stop()
+
+
+def advertised_address(host: str, port: int) -> str:
+    """How peers reach this server: the bound host, or this machine's name for a wildcard."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def report_health(engine_loop: EngineLoop, health_servicer, config: ServerConfig) -> None:

@@ -10,10 +10,16 @@ from typing import TYPE_CHECKING, Any
 
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
-from rollout_engine.protocol import InvalidRequestError, SleepLevel, check_sleep_mode
+from rollout_engine.protocol import (
+    InvalidRequestError,
+    KVTransferError,
+    SleepLevel,
+    check_sleep_mode,
+)
 from rollout_engine.server import convert
 from rollout_engine.server.admission import Admission
 from rollout_engine.server.engine_loop import EngineLoop, OutputSink
+from rollout_engine.server.kv_transfer import pull_kv_responses
 from rollout_engine.server.status import streaming, unary
 from rollout_engine.server.weights import WeightUpdateReceiver
 
@@ -114,6 +120,18 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
         # A second update supersedes an open one: the engine aborts the older session, whose
         # next write then fails, so two streams can never interleave writes.
         async for message in WeightUpdateReceiver(self.engine_loop).run(request_iterator):
+            yield message
+
+    # ------------------------------------------------------------------------ KV transfer
+    @streaming
+    async def PullKV(self, request: pb.PullKVRequest, context) -> AsyncIterator[Any]:
+        kv_transfer = self.engine.kv_transfer
+        if kv_transfer is None:
+            raise KVTransferError(
+                "this engine saves no KV for remote decodes; start it with --kv-role prefill"
+            )
+        # The store is thread-safe: no need to go through the engine thread.
+        async for message in pull_kv_responses(kv_transfer.store, request.transfer_id, context):
             yield message
 
     # ----------------------------------------------------------------------- introspection

@@ -63,7 +63,9 @@ class Worker:
             self._return_cached_device_memory()  # the update's staging copies
 
         self.weights = WeightUpdater(model, self.memory, event_log, after_update)
-        kv_spec = KVCacheSpec.from_model(hf_config, cache_config.block_size, self.dtype)
+        kv_spec = self.kv_spec = KVCacheSpec.from_model(
+            hf_config, cache_config.block_size, self.dtype
+        )
         self.num_blocks = kv_spec.num_blocks_for(
             cache_config, self._kv_cache_bytes(config, hf_config, weights_pool.num_bytes)
         )

@@ -1,0 +1,410 @@
+"""Prefill–decode disaggregation, the worker's half of the KV connector.
+
+The prefill side copies a finished prompt's KV out of its blocks into one contiguous tensor,
+[num_layers, 2, num_tokens, num_kv_heads, head_dim], and publishes it: a /dev/shm file
+("shm"), a tensor this server streams on request ("grpc", `PullKV`), or a CUDA tensor shared
+by IPC handle ("cuda_ipc"). The completion carries a handle naming it. The prompt's blocks
+are freed at once: the copy, not the blocks, waits for the decode engine (until the
+handle's time to live runs out).
+
+The decode side fetches a handle's KV on a background thread and writes it into the blocks
+the scheduler allocated, on the engine thread, and only for a request that still waits for
+it. A fetch that fails or outlives its timeout is reported as failed: the scheduler then has
+the prompt computed here.
+
+On a GPU cluster the transport to add is NIXL over RDMA, reading the prefill engine's blocks
+in place (vLLM's NixlConnector); it needs the prefill to hold its blocks until read, which
+the scheduler's `kv_to_save` hold already allows.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+from rollout_engine.config import KVTransferConfig
+from rollout_engine.core.scheduler_output import KVLoad
+from rollout_engine.protocol import KVTransferError, KVTransferParams
+from rollout_engine.worker.kv_cache_spec import KVCacheSpec
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_SHM_NAME = re.compile(r"^rollout-kv-[A-Za-z0-9_\-]{1,100}$")
+
+Fetch = Callable[[KVTransferParams, float], torch.Tensor]
+"""(handle, deadline on time.monotonic()) -> the handle's KV tensor, on any device."""
+
+
+class KVTransferFailed(RuntimeError):
+    """A transfer could not complete: the peer is gone, the handle expired, the data is
+    malformed. The request is recomputed, never failed, because of it."""
+
+
+def prompt_hash(token_ids: Sequence[int]) -> str:
+    """SHA-256 of token ids: a handle's KV is only used for the prompt that computed it."""
+    return hashlib.sha256(struct.pack(f"<{len(token_ids)}q", *token_ids)).hexdigest()
+
+
+def kv_layout_key(hf_config, spec: KVCacheSpec) -> str:
+    """What must be equal on both sides for KV to be interchangeable: the model's shape, the
+    KV dtype and the block size (zero-copy transports read whole blocks)."""
+    return json.dumps(
+        {
+            "architecture": (getattr(hf_config, "architectures", None) or [""])[0],
+            "model_type": hf_config.model_type,
+            "hidden_size": hf_config.hidden_size,
+            "vocab_size": hf_config.vocab_size,
+            "num_layers": spec.num_layers,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "dtype": str(spec.dtype).removeprefix("torch."),
+            "block_size": spec.block_size,
+        },
+        sort_keys=True,
+    )
+
+
+class KVStore:
+    """Prefill side: saved KV waiting for its decode engine, each entry until it is pulled
+    or its time to live ends. /dev/shm files are unlinked at expiry and at exit."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._tensors: dict[str, tuple[torch.Tensor, float]] = {}
+        self._files: dict[str, float] = {}  # path -> expiry
+        self._finalizer = weakref.finalize(self, _unlink_all, self._files)
+
+    def put_tensor(self, transfer_id: str, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self._tensors[transfer_id] = (tensor, time.monotonic() + self.ttl_s)
+
+    def put_file(self, path: str) -> None:
+        with self._lock:
+            self._files[path] = time.monotonic() + self.ttl_s
+
+    def pop(self, transfer_id: str) -> torch.Tensor | None:
+        """The saved tensor, handed out once; None if unknown, pulled or expired."""
+        self.expire()
+        with self._lock:
+            entry = self._tensors.pop(transfer_id, None)
+        return None if entry is None else entry[0]
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for transfer_id in [t for t, (_, e) in self._tensors.items() if e <= now]:
+                del self._tensors[transfer_id]
+            expired = [p for p, e in self._files.items() if e <= now]
+            for path in expired:
+                del self._files[path]
+        _unlink_all(dict.fromkeys(expired))
+
+    @property
+    def num_entries(self) -> int:
+        with self._lock:
+            return len(self._tensors) + len(self._files)
+
+    def close(self) -> None:
+        with self._lock:
+            self._tensors.clear()
+        self._finalizer()
+
+
+class KVTransfer:
+    """Saves finished prefills' KV (prefill role) and loads handles' KV (decode role)."""
+
+    def __init__(
+        self,
+        kv_caches: torch.Tensor,
+        spec: KVCacheSpec,
+        layout_key: str,
+        config: KVTransferConfig,
+        fetchers: dict[str, Fetch],
+    ) -> None:
+        self.kv_caches = kv_caches  # logical view [L, 2, num_blocks, block_size, Hkv, D]
+        self.spec = spec
+        self.layout_key = layout_key
+        self.config = config
+        self.device = kv_caches.device
+        self.address = ""
+        """Prefill side, transport "grpc": this server's address, written into handles (the
+        server sets it once it listens)."""
+        self.store = KVStore(config.kv_handle_ttl_s)
+        self._fetchers = {"shm": fetch_shm, **fetchers}
+        self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kv-fetch")
+        self._loads: dict[str, tuple[concurrent.futures.Future, float]] = {}
+        self._done = threading.Condition()
+        self.fetch_delay_s = float(os.environ.get("ROLLOUT_ENGINE_KV_FETCH_DELAY_S", "0"))
+        """Test-only: each fetch first sleeps this long (a slow peer)."""
+        self.num_saved = 0
+        self.num_saved_bytes = 0
+        self.num_loaded_bytes = 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        spec = self.spec
+        return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+
+    # ------------------------------------------------------------------ checks
+    def check_request(
+        self, params: KVTransferParams, prompt_token_ids: Sequence[int], weight_version: int
+    ) -> None:
+        """KVTransferError unless this engine can act on `params` for this prompt."""
+        role = self.config.kv_role
+        if params.do_remote_decode and role not in ("prefill", "both"):
+            raise KVTransferError(
+                f"this engine's kv_role is {role!r}: only a prefill engine (--kv-role prefill "
+                f"or both) saves KV for a remote decode"
+            )
+        if not params.do_remote_prefill:
+            return
+        if role not in ("decode", "both"):
+            raise KVTransferError(
+                f"this engine's kv_role is {role!r}: only a decode engine (--kv-role decode "
+                f"or both) loads KV from a handle"
+            )
+        if params.layout != self.layout_key:
+            raise KVTransferError(
+                "the handle's KV layout differs from this engine's (model, dtype or block "
+                f"size); prefill: {params.layout or '?'}; decode: {self.layout_key}"
+            )
+        if params.weight_version != weight_version:
+            raise KVTransferError(
+                f"the handle's KV was computed with weight version {params.weight_version} "
+                f"but this engine has version {weight_version}; push the same weights to both "
+                "engines before generating, so that no completion mixes two versions"
+            )
+        num_tokens = params.num_tokens
+        if num_tokens >= len(prompt_token_ids) or (
+            prompt_hash(prompt_token_ids[:num_tokens]) != params.prompt_hash
+        ):
+            raise KVTransferError(
+                "the handle's KV was computed for another prompt; send the decode engine the "
+                "prompt that was prefilled"
+            )
+        if params.transport not in self._fetchers:
+            raise KVTransferError(f"this engine cannot fetch over {params.transport!r}")
+        if params.transport == "grpc" and not (params.location or self.config.kv_peer):
+            raise KVTransferError(
+                "the handle names no prefill server to pull from; start the decode engine "
+                "with --kv-peer ADDR"
+            )
+
+    # ------------------------------------------------------------------ prefill side
+    def save(
+        self, block_ids: Sequence[int], prompt_token_ids: Sequence[int], weight_version: int
+    ) -> KVTransferParams | None:
+        """Copy the KV of all prompt positions but the last (the decode engine computes that
+        one for its logits) out of `block_ids`, publish it, and return its handle."""
+        num_tokens = len(prompt_token_ids) - 1
+        if num_tokens < 1:
+            return None
+        kv = self.gather(block_ids, num_tokens)
+        transfer_id = uuid.uuid4().hex
+        transport = self.config.kv_transport
+        self.store.expire()
+        if transport == "shm":
+            location = _write_shm(kv)
+            self.store.put_file(os.path.join(SHM_DIR, location))
+        elif transport == "grpc":
+            self.store.put_tensor(transfer_id, kv.cpu())
+            location = self.address
+        else:
+            kv = kv.contiguous()
+            self.store.put_tensor(transfer_id, kv)  # alive until pulled or expired
+            location = _cuda_ipc_location(kv)
+        self.num_saved += 1
+        self.num_saved_bytes += kv.numel() * kv.element_size()
+        return KVTransferParams(
+            do_remote_prefill=True,
+            transfer_id=transfer_id,
+            transport=transport,
+            location=location,
+            num_tokens=num_tokens,
+            prompt_hash=prompt_hash(prompt_token_ids[:num_tokens]),
+            layout=self.layout_key,
+            weight_version=weight_version,
+        )
+
+    def gather(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
+        """[L, 2, num_tokens, Hkv, D], a new contiguous tensor, on the KV cache's device."""
+        bs = self.spec.block_size
+        ids = torch.tensor(block_ids[: -(-num_tokens // bs)], device=self.device)
+        kv = self.kv_caches.index_select(2, ids)  # [L, 2, nb, bs, Hkv, D]
+        return kv.flatten(2, 3)[:, :, :num_tokens].contiguous()
+
+    # ------------------------------------------------------------------ decode side
+    def start(self, loads: Sequence[KVLoad]) -> None:
+        """Fetch each load's KV in the background (`poll` reports them)."""
+        deadline = time.monotonic() + self.config.kv_transfer_timeout_s
+        for load in loads:
+            future = self._pool.submit(self._fetch, load.params, deadline)
+            future.add_done_callback(self._notify)
+            self._loads[load.request_id] = (future, deadline)
+
+    def poll(self) -> list[tuple[str, torch.Tensor | BaseException]]:
+        """Loads that ended: (request id, the KV tensor or why it failed). A fetch past its
+        deadline ends as TimeoutError; its late result is never used."""
+        now, ended = time.monotonic(), []
+        for request_id, (future, deadline) in list(self._loads.items()):
+            if future.done():
+                error = future.exception()
+                ended.append((request_id, error if error is not None else future.result()))
+            elif now >= deadline:
+                future.cancel()
+                ended.append((request_id, TimeoutError(
+                    f"the KV transfer took more than {self.config.kv_transfer_timeout_s} s"
+                )))
+            else:
+                continue
+            del self._loads[request_id]
+        return ended
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a fetch ends or `timeout_s` passes (nothing else to do)."""
+        with self._done:
+            if self._loads and not any(f.done() for f, _ in self._loads.values()):
+                self._done.wait(timeout_s)
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loads)
+
+    def write(self, load: KVLoad, kv: torch.Tensor) -> None:
+        """Write positions [start, start + num_tokens) of a fetched tensor into the load's
+        blocks. Call on the engine thread, for a request that still waits for it."""
+        spec, bs = self.spec, self.spec.block_size
+        expected = (spec.num_layers, 2, load.params.num_tokens, spec.num_kv_heads, spec.head_dim)
+        if tuple(kv.shape) != expected or kv.dtype != spec.dtype:
+            raise KVTransferFailed(
+                f"received KV of shape {tuple(kv.shape)} {kv.dtype}; expected {expected} "
+                f"{spec.dtype}"
+            )
+        start, n = load.start_position, load.num_tokens
+        data = kv[:, :, start : start + n].to(self.device, non_blocking=False)
+        block_ids = load.block_ids[start // bs : -(-(start + n) // bs)]
+        num_full = n // bs
+        if num_full:
+            ids = torch.tensor(block_ids[:num_full], device=self.device)
+            shape = (spec.num_layers, 2, num_full, bs, spec.num_kv_heads, spec.head_dim)
+            self.kv_caches[:, :, ids] = data[:, :, : num_full * bs].reshape(shape)
+        tail = n - num_full * bs
+        if tail:
+            self.kv_caches[:, :, block_ids[num_full], :tail] = data[:, :, num_full * bs :]
+        self.num_loaded_bytes += data.numel() * data.element_size()
+
+    def close(self) -> None:
+        for future, _ in self._loads.values():
+            future.cancel()
+        self._loads.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.store.close()
+
+    def _fetch(self, params: KVTransferParams, deadline: float) -> torch.Tensor:
+        if self.fetch_delay_s:
+            time.sleep(self.fetch_delay_s)
+        if time.monotonic() >= deadline:
+            raise TimeoutError("the KV transfer timed out")
+        if params.transport == "grpc" and self.config.kv_peer:  # where this engine pulls from
+            params = dataclasses.replace(params, location=self.config.kv_peer)
+        kv = self._fetchers[params.transport](params, deadline)
+        spec = self.spec
+        shape = (spec.num_layers, 2, params.num_tokens, spec.num_kv_heads, spec.head_dim)
+        if kv.dim() == 1:  # raw bytes
+            expected = torch.Size(shape).numel() * spec.dtype.itemsize
+            if kv.numel() * kv.element_size() != expected:
+                raise KVTransferFailed(
+                    f"received {kv.numel() * kv.element_size()} bytes of KV, expected {expected}"
+                )
+            kv = kv.view(torch.uint8).view(spec.dtype).view(shape)
+        return kv
+
+    def _notify(self, _future: concurrent.futures.Future) -> None:
+        with self._done:
+            self._done.notify_all()
+
+
+# ---------------------------------------------------------------------- transports: shm
+
+
+def _write_shm(kv: torch.Tensor) -> str:
+    """Write `kv`'s bytes to a new /dev/shm file; its name."""
+    name = f"rollout-kv-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+    path = os.path.join(SHM_DIR, name)
+    data = kv.detach().cpu().contiguous().view(torch.uint8).numpy()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(memoryview(data))
+    except BaseException:
+        _unlink_all([path])
+        raise
+    return name
+
+
+def fetch_shm(params: KVTransferParams, deadline: float) -> torch.Tensor:
+    """Read and unlink a handle's /dev/shm file: the KV's raw bytes (1-D uint8)."""
+    if not _SHM_NAME.match(params.location):
+        raise KVTransferFailed(f"not a KV shared-memory name: {params.location!r}")
+    path = os.path.join(SHM_DIR, params.location)
+    try:
+        with open(path, "rb") as file:
+            data = bytearray(file.read())
+    except FileNotFoundError:
+        raise KVTransferFailed(
+            f"{path} does not exist: the handle expired or was used, or the prefill engine "
+            "runs on another host (use kv_transport='grpc')"
+        ) from None
+    _unlink_all([path])
+    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _unlink_all(paths) -> None:
+    for path in list(paths):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    if isinstance(paths, dict):
+        paths.clear()
+
+
+# ----------------------------------------------------------------- transports: cuda_ipc
+
+
+def _cuda_ipc_location(kv: torch.Tensor) -> str:
+    """The IPC handle of a CUDA tensor's storage, as JSON (bytes in base64)."""
+    from memory.cuda_ipc import cuda_ipc_descriptor
+
+    descriptor = cuda_ipc_descriptor(kv.view(-1).view(torch.uint8))
+    return json.dumps({
+        k: base64.b64encode(v).decode() if isinstance(v, bytes) else v
+        for k, v in descriptor.items()
+    })
+
+
+def cuda_ipc_descriptor_of(params: KVTransferParams) -> dict:
+    """The CudaIpcHandle fields a handle's `location` carries (bytes decoded)."""
+    try:
+        fields = json.loads(params.location)
+    except json.JSONDecodeError as exc:
+        raise KVTransferFailed(f"not a CUDA IPC handle: {exc}") from None
+    for key in ("handle", "ref_counter_handle", "event_handle"):
+        fields[key] = base64.b64decode(fields.get(key, ""))
+    return fields
