@@ -225,7 +225,7 @@ class FakeModelRunner:
         writes: dict[tuple[int, int], int] = {}
         chains: dict[str, list[int]] = {}
         for scheduled in scheduled_requests:
-            chain = _prefix_hashes(sequences[scheduled.request_id])
+            chain = prefix_hashes(sequences[scheduled.request_id])
             chains[scheduled.request_id] = chain
             end = scheduled.start_position + len(scheduled.input_token_ids)
             for pos in range(scheduled.start_position, end):
@@ -272,7 +272,7 @@ def _first_sampled_position(scheduled: ScheduledRequest) -> int:
     return scheduled.start_position + len(scheduled.input_token_ids) - scheduled.num_spec_tokens
 
 
-def _prefix_hashes(token_ids: Sequence[int]) -> list[int]:
+def prefix_hashes(token_ids: Sequence[int]) -> list[int]:
     """hashes[p] stands for the KV at position p: it depends on tokens[0..p]."""
     hashes, h = [], 0
     for token_id in token_ids:
@@ -355,7 +355,9 @@ def check_ledger_invariants(scheduler: Scheduler, num_in_flight: int = 0) -> Non
     assert len(running_ids) == len(scheduler.running), f"duplicate running: {scheduler.running}"
     assert len(waiting_ids) == len(scheduler.waiting), f"duplicate waiting: {scheduler.waiting}"
     assert not running_ids & waiting_ids, "a request both running and waiting"
-    assert running_ids | waiting_ids == set(scheduler.requests)
+    loading_ids = set(scheduler._loading_kv)
+    assert not loading_ids & (running_ids | waiting_ids), "a request loading KV is queued too"
+    assert running_ids | waiting_ids | loading_ids == set(scheduler.requests)
     assert len(running_ids) <= scheduler.config.max_num_seqs
     ref_counts: Counter[int] = Counter()
     for request in scheduler.requests.values():
@@ -370,12 +372,29 @@ def check_ledger_invariants(scheduler: Scheduler, num_in_flight: int = 0) -> Non
         assert request.num_tokens <= scheduler.max_model_len, request
         if request.status is RequestStatus.RUNNING:
             assert request.request_id in running_ids and block_ids, request
+        elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            assert request.request_id in loading_ids and request.wants_remote_kv, request
+            num_loaded = request.num_computed_tokens + request.num_external_computed_tokens
+            assert len(block_ids) * scheduler.block_size >= num_loaded, request
+            assert num_loaded < request.num_prompt_tokens, request
+            # Its blocks past the local hits are in nobody else's reach until the load lands.
+            first_loaded_block = request.num_computed_tokens // scheduler.block_size
+            for block_id in block_ids[first_loaded_block:]:
+                assert pool.blocks[block_id].block_hash is None, f"{request}: loading block cached"
+        elif request.num_external_computed_tokens and request.num_computed_tokens:
+            # Its KV was loaded from a remote engine: it waits holding those blocks.
+            assert request.request_id in waiting_ids, request
+            assert request.num_computed_tokens < request.num_prompt_tokens, request
+            assert len(block_ids) * scheduler.block_size >= request.num_computed_tokens, request
         else:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
             assert request.request_id in waiting_ids, request
             assert request.num_computed_tokens == 0 and not block_ids, request
             assert request.num_output_placeholders == 0, request
         ref_counts.update(block_ids)
+    for request in scheduler._kv_to_save.values():
+        assert request.is_finished and request.saves_kv, request
+        ref_counts.update(kv.get_block_ids(request.request_id))
     for request in scheduler._finished_in_flight.values():
         assert num_in_flight and request.is_finished and request.num_steps_in_flight, request
         ref_counts.update(kv.get_block_ids(request.request_id))
