@@ -41,6 +41,7 @@ TEST_GROUPS=(
   "cuda-graph parity|tests/gpu/test_cuda_graphs.py"
   "async scheduling|tests/gpu/test_async_scheduling_cuda.py"
   "structured outputs|tests/gpu/test_structured_outputs_cuda.py"
+  "kv transfer|tests/gpu/test_kv_transfer_cuda.py"
 )
 
 SUMMARY=()
