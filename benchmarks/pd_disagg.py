@@ -22,6 +22,7 @@ plain memcpy of the same bytes.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import sys
@@ -84,7 +85,7 @@ class Run:
         start, end = self.long_window
         gaps = []
         for times in self.decode_token_times:
-            for a, b in zip(times, times[1:]):
+            for a, b in itertools.pairwise(times):
                 if (start <= b <= end) == inside:
                     gaps.append(b - a)
         return gaps

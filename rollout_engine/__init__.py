@@ -21,9 +21,9 @@ from rollout_engine.protocol import (
     OutOfBlocksError,
     RequestOutput,
     SamplingParams,
-    StructuredOutputsParams,
     SleepLevel,
     StepFailedError,
+    StructuredOutputsParams,
     WeightUpdateError,
 )
 
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LLM",
-    "LLMEngine",
     "CompletionOutput",
     "DeviceOutOfMemoryError",
     "EngineBusyError",
@@ -43,14 +42,15 @@ __all__ = [
     "InvalidRequestError",
     "KVTransferError",
     "KVTransferParams",
+    "LLMEngine",
     "MemoryState",
     "ModelLoadError",
     "OutOfBlocksError",
     "RequestOutput",
     "SamplingParams",
-    "StructuredOutputsParams",
     "SleepLevel",
     "StepFailedError",
+    "StructuredOutputsParams",
     "WeightUpdateError",
 ]
 

@@ -231,7 +231,7 @@ class LLMEngine:
             if compiling:  # nothing else to do: wait for a grammar (bounded, then go on)
                 compiling[0].wait(timeout_s=0.05)
                 return outputs
-            if self.scheduler.num_loading_kv:  # or for a KV transfer
+            if self.scheduler.kv_connector.num_loading:  # or for a KV transfer
                 self.kv_transfer.wait(timeout_s=0.05)
                 return outputs
             self._fail_stalled()
@@ -309,7 +309,8 @@ class LLMEngine:
         """Prefill role: publish the KV of prompts that finished for a remote decode; their
         completions carry the handle. A failed save leaves no handle (the decode engine then
         computes the prompt) and never fails the request."""
-        for request in self.scheduler.take_kv_to_save():
+        kv_connector = self.scheduler.kv_connector
+        for request in kv_connector.take_to_save():
             try:
                 request.kv_transfer_handle = self.kv_transfer.save(
                     self.scheduler.kv_cache_manager.get_block_ids(request.request_id),
@@ -319,13 +320,13 @@ class LLMEngine:
                 logger.warning("saving the KV of %s failed: %s: %s", request.request_id,
                                type(exc).__name__, exc)
             finally:
-                self.scheduler.kv_saved(request)
+                kv_connector.saved(request)
 
     def _land_kv_loads(self) -> None:
         """Decode role: write the KV of transfers that arrived into their blocks, for requests
         that still wait for it; a failed or late transfer has its prompt computed here."""
         for request_id, result in self.kv_transfer.poll():
-            load = self.scheduler.kv_load(request_id)
+            load = self.scheduler.kv_connector.load_of(request_id)
             if load is None:
                 continue  # aborted meanwhile: dropped (its blocks were freed at the abort)
             succeeded = False
@@ -518,8 +519,8 @@ class LLMEngine:
                 "kv_num_saved": self.kv_transfer.num_saved,
                 "kv_saved_bytes": self.kv_transfer.num_saved_bytes,
                 "kv_loaded_bytes": self.kv_transfer.num_loaded_bytes,
-                "kv_loaded_tokens": self.scheduler.num_kv_loaded_tokens,
-                "kv_load_failures": self.scheduler.num_kv_load_failures,
+                "kv_loaded_tokens": self.scheduler.kv_connector.num_loaded_tokens,
+                "kv_load_failures": self.scheduler.kv_connector.num_load_failures,
                 "kv_bytes_per_token": self.kv_transfer.bytes_per_token,
             })
         return stats

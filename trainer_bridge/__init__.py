@@ -19,8 +19,8 @@ from rollout_engine.protocol import (
     RequestOutput,
     ResourceExhaustedError,
     SamplingParams,
-    StructuredOutputsParams,
     SleepLevel,
+    StructuredOutputsParams,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -45,8 +45,8 @@ __all__ = [
     "RequestOutput",
     "ResourceExhaustedError",
     "SamplingParams",
-    "StructuredOutputsParams",
     "SleepLevel",
+    "StructuredOutputsParams",
     "UnauthenticatedError",
     "UnavailableError",
 ]

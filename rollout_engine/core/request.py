@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-
 from typing import TYPE_CHECKING
 
 from rollout_engine.protocol import FinishReason, KVTransferParams, SamplingParams

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 from rollout_engine.config import CacheConfig, RuntimeLimits, SchedulerConfig, SpeculativeConfig
 from rollout_engine.core.kv_cache_manager import KVCacheManager, cdiv
+from rollout_engine.core.kv_connector import KVConnectorScheduler
 from rollout_engine.core.request import Request, RequestStatus
 from rollout_engine.core.scheduler_output import (
     PLACEHOLDER_TOKEN_ID,
-    KVLoad,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -72,14 +72,11 @@ class Scheduler:
         self._finished_request_ids: list[str] = []
         # Finished requests whose blocks a step in flight still writes (freed when it lands).
         self._finished_in_flight: dict[str, Request] = {}
-        # Prefill–decode disaggregation: requests whose blocks a KV transfer fills, and
-        # finished prefills whose blocks are held until the engine has saved their KV.
-        self._loading_kv: dict[str, Request] = {}
-        self._kv_to_save: dict[str, Request] = {}
+        self.kv_connector = KVConnectorScheduler(self.kv_cache_manager)
+        """Prefill–decode disaggregation: requests waiting for remote KV, and finished
+        prefills holding their blocks until their KV is saved."""
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
-        self.num_kv_loaded_tokens = 0
-        self.num_kv_load_failures = 0
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -99,9 +96,7 @@ class Scheduler:
         self.running = [r for r in self.running if r.request_id not in ids]
         self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
         for request_id in ids:
-            # A KV transfer that lands later finds no request and is dropped
-            # (`finish_kv_load`); nothing writes the freed blocks meanwhile.
-            self._loading_kv.pop(request_id, None)
+            self.kv_connector.cancel_load(request_id)
             self._finish(self.requests[request_id], reason)
 
     def has_unfinished_requests(self) -> bool:
@@ -133,52 +128,13 @@ class Scheduler:
         self.kv_cache_manager.reset_prefix_cache()
 
     # ------------------------------------------------------------------ KV transfers
-    @property
-    def num_loading_kv(self) -> int:
-        """Requests waiting for a KV transfer from a remote engine."""
-        return len(self._loading_kv)
-
-    def kv_load(self, request_id: str) -> KVLoad | None:
-        """The transfer a request still waits for; None once it was aborted or is done."""
-        request = self._loading_kv.get(request_id)
-        if request is None:
-            return None
-        return KVLoad(
-            request_id, request.kv_transfer_params,
-            tuple(self.kv_cache_manager.get_block_ids(request_id)),
-            request.num_computed_tokens, request.num_external_computed_tokens,
-        )
-
     def finish_kv_load(self, request_id: str, succeeded: bool) -> None:
-        """A transfer ended. Its KV is written (succeeded): the positions count as computed
-        and their blocks enter the prefix cache only now. It failed or timed out: the request
-        computes its prompt itself. Either way it is scheduled again from the queue's front.
-        A transfer whose request was aborted meanwhile is ignored."""
-        request = self._loading_kv.pop(request_id, None)
-        if request is None:
-            return
-        request.kv_transfer_params = None  # loads at most once
-        if succeeded:
-            request.num_computed_tokens += request.num_external_computed_tokens
-            self.num_kv_loaded_tokens += request.num_external_computed_tokens
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        else:
-            self.kv_cache_manager.free(request)
-            request.num_computed_tokens = 0
-            request.num_external_computed_tokens = 0
-            self.num_kv_load_failures += 1
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
-
-    def take_kv_to_save(self) -> list[Request]:
-        """Finished prefills for a remote decode whose blocks still hold their KV. The engine
-        saves each and then calls `kv_saved`."""
-        return list(self._kv_to_save.values())
-
-    def kv_saved(self, request: Request) -> None:
-        """The request's KV is saved (or saving failed): free its blocks."""
-        if self._kv_to_save.pop(request.request_id, None) is not None:
-            self.kv_cache_manager.free(request)
+        """A KV transfer ended (see `KVConnectorScheduler.finish_load`): its request goes
+        back to the front of the queue, its prompt loaded or to be computed here."""
+        request = self.kv_connector.finish_load(request_id, succeeded)
+        if request is not None:
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
 
     # ------------------------------------------------------------------ drafts
     def requests_to_draft(self) -> list[Request]:
@@ -328,7 +284,7 @@ class Scheduler:
         held_back: list[Request] = []
         prefilling_groups = in_flight_groups | {
             r.group_id for r in self.running if self._is_prefilling_prompt(r)
-        } | {r.group_id for r in self._loading_kv.values()}
+        } | {r.group_id for r in self.kv_connector.loading_requests}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             grammar = request.grammar
@@ -369,39 +325,23 @@ class Scheduler:
     def _start_kv_load(
         self, output: SchedulerOutput, request: Request, hit_blocks, num_hit_tokens: int
     ) -> bool | None:
-        """Allocate the blocks a remote engine's KV fills and hand the transfer to the worker
-        (`SchedulerOutput.kv_loads`). False if the local prefix cache covers as much; None if
-        the pool has no room. The blocks stay out of the prefix cache, and out of reach of
-        every other request, until the transfer completes (`delay_cache_blocks`)."""
-        params = request.kv_transfer_params
-        # The last prompt token is always computed here: its logits are needed.
-        num_remote = min(params.num_tokens, request.num_prompt_tokens - 1)
-        num_external = num_remote - num_hit_tokens
+        """Hand the transfer of the request's remote KV to the worker (`SchedulerOutput.
+        kv_loads`) and take it out of the queue until it lands. False if the local prefix
+        cache covers as much; None if the pool has no room for the blocks."""
         # Its siblings will hit the cache once the load is done: only one of them loads.
         for sibling in self.waiting:
-            if sibling.group_id == request.group_id:
+            if sibling is not request and sibling.group_id == request.group_id:
                 sibling.kv_transfer_params = None
-        if num_external <= 0:
+        num_external = self.kv_connector.num_external_tokens(request, num_hit_tokens)
+        if num_external == 0:
+            request.kv_transfer_params = None
             return False
-        if not self.kv_cache_manager.allocate_slots(
-            request, num_external, hit_blocks, delay_cache_blocks=True
-        ):
-            request.kv_transfer_params = params  # it tries again next step
+        load = self.kv_connector.start_load(request, hit_blocks, num_hit_tokens, num_external)
+        if load is None:
             return None
         self.waiting.popleft()
-        request.kv_transfer_params = params
-        request.num_computed_tokens = num_hit_tokens
-        request.num_external_computed_tokens = num_external
         self.num_prefix_hit_tokens += num_hit_tokens
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self._loading_kv[request.request_id] = request
-        output.kv_loads.append(
-            KVLoad(
-                request.request_id, params,
-                tuple(self.kv_cache_manager.get_block_ids(request.request_id)),
-                num_hit_tokens, num_external,
-            )
-        )
+        output.kv_loads.append(load)
         return True
 
     def _is_prefilling_prompt(self, request: Request) -> bool:
@@ -545,10 +485,8 @@ class Scheduler:
 
     def _release_blocks(self, request: Request) -> None:
         """A finished request no step in flight writes: free its blocks, unless it is a
-        prefill whose KV a decode engine waits for (freed by `kv_saved`)."""
-        if request.saves_kv and request.finish_reason != "abort":
-            self._kv_to_save[request.request_id] = request
-        else:
+        prefill whose KV a decode engine waits for (freed once saved)."""
+        if not self.kv_connector.hold_for_save(request):
             self.kv_cache_manager.free(request)
 
     def _check_fits(self, request: Request) -> None:

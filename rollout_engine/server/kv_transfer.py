@@ -95,7 +95,7 @@ def fetch_cuda_ipc(params: KVTransferParams, deadline: float) -> torch.Tensor:
 
     try:
         shared = open_cuda_ipc_buffer(pb.CudaIpcHandle(**cuda_ipc_descriptor_of(params)))
-    except Exception as exc:  # noqa: BLE001 - any failure means: recompute
+    except Exception as exc:
         raise KVTransferFailed(f"opening the CUDA IPC handle failed: {exc}") from exc
     copy = shared.clone()
     torch.cuda.current_stream(copy.device).synchronize()

@@ -14,7 +14,13 @@ import time
 import pytest
 import torch
 
-from rollout_engine import LLM, InvalidRequestError, KVTransferError, KVTransferParams, SamplingParams
+from rollout_engine import (
+    LLM,
+    InvalidRequestError,
+    KVTransferError,
+    KVTransferParams,
+    SamplingParams,
+)
 from rollout_engine.core.request import Request
 from tests.conftest import ARCHS
 from tests.integration.hf_oracle import hf_greedy_batch
@@ -81,7 +87,8 @@ def test_decode_from_transferred_kv_equals_one_engine_and_transformers(
 
 def test_seeded_samples_of_a_group_equal_one_engines(tiny_model_dirs):
     model = str(tiny_model_dirs["qwen2"])
-    params = dict(n=4, temperature=1.0, top_p=0.9, max_tokens=MAX_TOKENS, seed=7, ignore_eos=True)
+    params = {"n": 4, "temperature": 1.0, "top_p": 0.9, "max_tokens": MAX_TOKENS, "seed": 7,
+              "ignore_eos": True}
     single = LLM(model, block_size=4)
     expected = [[c.token_ids for c in o.outputs]
                 for o in single.generate(PROMPTS, SamplingParams(**params))]
@@ -111,7 +118,7 @@ def test_a_prompt_sharing_the_prefix_during_a_delayed_transfer_computes_its_own(
     engine.kv_transfer.fetch_delay_s = 0.5
     engine.add_request("remote", prompt, greedy(kv_transfer_params=handle))
     engine.step()  # the transfer starts
-    assert engine.scheduler.num_loading_kv == 1
+    assert engine.scheduler.kv_connector.num_loading == 1
     engine.add_request("local", prompt, greedy())
     finished = {}
     while engine.has_unfinished_requests():
@@ -119,7 +126,7 @@ def test_a_prompt_sharing_the_prefix_during_a_delayed_transfer_computes_its_own(
             if output.finished:
                 finished[output.request_id] = output.outputs[0].token_ids
                 if output.request_id == "local":
-                    assert engine.scheduler.num_loading_kv == 1  # done before the transfer
+                    assert engine.scheduler.kv_connector.num_loading == 1  # done before the transfer
     assert finished == {"remote": expected, "local": expected}
     stats = decode_llm.stats()
     assert stats["num_prefix_hit_tokens"] == 0 and stats["kv_loaded_tokens"] == len(prompt) - 1
@@ -153,7 +160,7 @@ def test_an_abort_or_a_sleep_during_the_transfer_drops_it_and_leaks_nothing(tiny
     for i, handle in enumerate(handles):
         engine.add_request(str(i), PROMPTS[i], greedy(kv_transfer_params=handle))
     engine.step()
-    assert engine.scheduler.num_loading_kv == 3
+    assert engine.scheduler.kv_connector.num_loading == 3
     engine.abort_request("0")
     outputs = engine.sleep(level=1)  # aborts the other two
     assert sorted(o.request_id for o in outputs) == ["0", "1", "2"]
@@ -163,7 +170,7 @@ def test_an_abort_or_a_sleep_during_the_transfer_drops_it_and_leaks_nothing(tiny
     while engine.has_unfinished_requests():
         engine.step()
     engine.step()
-    assert engine.kv_transfer.num_loading == 0 and engine.scheduler.num_loading_kv == 0
+    assert engine.kv_transfer.num_loading == 0 and engine.scheduler.kv_connector.num_loading == 0
     assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks
     assert engine.stats()["kv_loaded_bytes"] == 0  # nothing was written for them
     expected = hf_greedy_batch(model, PROMPTS[:1], MAX_TOKENS)

@@ -355,7 +355,7 @@ def check_ledger_invariants(scheduler: Scheduler, num_in_flight: int = 0) -> Non
     assert len(running_ids) == len(scheduler.running), f"duplicate running: {scheduler.running}"
     assert len(waiting_ids) == len(scheduler.waiting), f"duplicate waiting: {scheduler.waiting}"
     assert not running_ids & waiting_ids, "a request both running and waiting"
-    loading_ids = set(scheduler._loading_kv)
+    loading_ids = {r.request_id for r in scheduler.kv_connector.loading_requests}
     assert not loading_ids & (running_ids | waiting_ids), "a request loading KV is queued too"
     assert running_ids | waiting_ids | loading_ids == set(scheduler.requests)
     assert len(running_ids) <= scheduler.config.max_num_seqs
@@ -392,7 +392,7 @@ def check_ledger_invariants(scheduler: Scheduler, num_in_flight: int = 0) -> Non
             assert request.num_computed_tokens == 0 and not block_ids, request
             assert request.num_output_placeholders == 0, request
         ref_counts.update(block_ids)
-    for request in scheduler._kv_to_save.values():
+    for request in scheduler.kv_connector.held_for_save:
         assert request.is_finished and request.saves_kv, request
         ref_counts.update(kv.get_block_ids(request.request_id))
     for request in scheduler._finished_in_flight.values():

@@ -86,7 +86,7 @@ def test_a_loaded_prompt_computes_only_its_last_token():
     assert output.num_scheduled_tokens == {"d": 1}  # the last prompt token, for its logits
     run_until_done(scheduler, runner)
     assert request.output_token_ids == expected_tokens("d", prompt, 6)
-    assert scheduler.num_kv_loaded_tokens == 9 and scheduler.num_kv_load_failures == 0
+    assert scheduler.kv_connector.num_loaded_tokens == 9 and scheduler.kv_connector.num_load_failures == 0
     assert_no_leak(scheduler)
 
 
@@ -145,7 +145,7 @@ def test_a_failed_transfer_has_the_prompt_computed_here():
     assert output.num_scheduled_tokens == {"d": 11} and not output.kv_loads  # loads once
     run_until_done(scheduler, runner)
     assert request.output_token_ids == expected_tokens("d", prompt, 6)
-    assert scheduler.num_kv_load_failures == 1 and scheduler.num_kv_loaded_tokens == 0
+    assert scheduler.kv_connector.num_load_failures == 1 and scheduler.kv_connector.num_loaded_tokens == 0
     assert_no_leak(scheduler)
 
 
@@ -157,7 +157,7 @@ def test_an_abort_during_the_transfer_frees_the_blocks_and_the_late_transfer_is_
     run_step(scheduler, runner)
     assert scheduler.num_free_blocks < scheduler.num_blocks
     scheduler.finish_requests(["d"])
-    assert scheduler.kv_load("d") is None  # the engine writes nothing for it
+    assert scheduler.kv_connector.load_of("d") is None  # the engine writes nothing for it
     scheduler.finish_kv_load("d", succeeded=True)  # lands late: ignored
     check_ledger_invariants(scheduler)
     assert request.finish_reason == "abort"
@@ -176,10 +176,10 @@ def test_one_sample_of_a_group_loads_and_its_siblings_hit_the_cache():
     assert [load.request_id for load in output.kv_loads] == ["g/0"]
     output, _ = run_step(scheduler, runner)
     assert output.is_empty  # the siblings wait for the load instead of computing the prompt
-    land_transfer(runner, scheduler.kv_load("g/0"), prompt)
+    land_transfer(runner, scheduler.kv_connector.load_of("g/0"), prompt)
     scheduler.finish_kv_load("g/0", succeeded=True)
     run_until_done(scheduler, runner)
-    assert scheduler.num_kv_loaded_tokens == 13
+    assert scheduler.kv_connector.num_loaded_tokens == 13
     assert scheduler.num_prefix_hit_tokens == 2 * 12  # each sibling hit three full blocks
     for request in group:
         assert request.output_token_ids == expected_tokens(request.request_id, prompt, 6)
@@ -215,7 +215,7 @@ def test_a_transfer_lands_between_async_steps():
     scheduler.add_request(request)
 
     def land_load(step) -> None:
-        load = scheduler.kv_load("d")
+        load = scheduler.kv_connector.load_of("d")
         if load is not None and step.kv_loads:
             land_transfer(runner, load, prompt)
             scheduler.finish_kv_load("d", succeeded=True)
@@ -240,11 +240,11 @@ def test_a_finished_prefill_holds_its_blocks_until_its_kv_is_saved():
     scheduler.add_request(request)
     run_until_done(scheduler, runner)
     assert request.finish_reason == "length"
-    assert [r.request_id for r in scheduler.take_kv_to_save()] == ["p"]
+    assert [r.request_id for r in scheduler.kv_connector.take_to_save()] == ["p"]
     assert scheduler.num_free_blocks == scheduler.num_blocks - 3
     check_ledger_invariants(scheduler)
-    scheduler.kv_saved(request)
-    assert not scheduler.take_kv_to_save()
+    scheduler.kv_connector.saved(request)
+    assert not scheduler.kv_connector.take_to_save()
     assert_no_leak(scheduler)
 
 
@@ -257,5 +257,5 @@ def test_a_prefill_aborted_with_its_step_in_flight_saves_nothing():
     scheduler.finish_requests(["p"])
     scheduler.update_from_output(output, runner.execute(output))
     assert request.finish_reason == "abort"
-    assert not scheduler.take_kv_to_save()
+    assert not scheduler.kv_connector.take_to_save()
     assert_no_leak(scheduler)
