@@ -267,7 +267,8 @@ class EnginePool:
                 info = member.client.info()
                 if self._sleep_level is not None:
                     member.client.sleep(self._sleep_level)
-            except Exception:  # noqa: BLE001 - still down: try again later
+            except Exception as exc:  # noqa: BLE001 - still down: try again later
+                logger.debug("engine %s still down: %s", member.address, exc)
                 continue
             with self._lock:
                 member.is_alive = True
