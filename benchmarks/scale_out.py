@@ -74,6 +74,7 @@ def data_parallel(model_dir: str, prompts, params) -> dict[str, tuple[float, int
             EngineServer(model_dir, engine_options=options) as second:
         with EngineClient(first.address, timeout=1800) as client:
             client.generate(prompts[:2], params)  # warm-up
+            client.reset_prefix_cache()
             seconds, outputs = timed(lambda: client.generate(prompts, params))
             results["1 engine"] = (seconds, num_tokens(outputs))
         with EnginePool([first.address, second.address], timeout=1800) as pool:
@@ -84,6 +85,7 @@ def data_parallel(model_dir: str, prompts, params) -> dict[str, tuple[float, int
     with EngineServer(model_dir, engine_options={**options, "cpu_threads": 2}) as server, \
             EngineClient(server.address, timeout=1800) as client:
         client.generate(prompts[:2], params)
+        client.reset_prefix_cache()
         seconds, outputs = timed(lambda: client.generate(prompts, params))
         results["1 engine, 2 threads"] = (seconds, num_tokens(outputs))
     return results
