@@ -49,7 +49,7 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., detokenize: _Optional[bool] = ..., structured_outputs: _Optional[_Union[StructuredOutputsParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
 
 class KVTransferParams(_message.Message):
-    __slots__ = ("do_remote_decode", "do_remote_prefill", "transfer_id", "transport", "location", "num_tokens", "prompt_hash", "layout", "weight_version")
+    __slots__ = ("do_remote_decode", "do_remote_prefill", "transfer_id", "transport", "location", "num_tokens", "prompt_hash", "layout", "weight_version", "weights_fingerprint")
     DO_REMOTE_DECODE_FIELD_NUMBER: _ClassVar[int]
     DO_REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class KVTransferParams(_message.Message):
     PROMPT_HASH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     do_remote_decode: bool
     do_remote_prefill: bool
     transfer_id: str
@@ -68,7 +69,8 @@ class KVTransferParams(_message.Message):
     prompt_hash: str
     layout: str
     weight_version: int
-    def __init__(self, do_remote_decode: _Optional[bool] = ..., do_remote_prefill: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., transport: _Optional[str] = ..., location: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prompt_hash: _Optional[str] = ..., layout: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    weights_fingerprint: str
+    def __init__(self, do_remote_decode: _Optional[bool] = ..., do_remote_prefill: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., transport: _Optional[str] = ..., location: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prompt_hash: _Optional[str] = ..., layout: _Optional[str] = ..., weight_version: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ...) -> None: ...
 
 class StructuredOutputsParams(_message.Message):
     __slots__ = ("json", "regex", "choice", "grammar", "json_object")

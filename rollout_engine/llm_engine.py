@@ -107,6 +107,7 @@ class LLMEngine:
                 self.worker.model_runner.kv_caches, self.worker.kv_spec,
                 kv_layout_key(self.hf_config, self.worker.kv_spec), kv_config,
                 {"grpc": GrpcFetcher(), "cuda_ipc": fetch_cuda_ipc},
+                self.worker.weights.fingerprint,
             )
 
     @property

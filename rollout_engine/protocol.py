@@ -306,6 +306,9 @@ class KVTransferParams:
     """The prefill engine's KV layout and model (KVLayout.key): they must match exactly."""
     weight_version: int = 0
     """The weight version that computed the KV: the decode engine's must be the same."""
+    weights_fingerprint: str = ""
+    """A digest of the weights that computed the KV: the decode engine's must be the same
+    (equal versions of two different checkpoints are still refused)."""
 
     def __post_init__(self) -> None:
         if self.do_remote_decode and self.do_remote_prefill:

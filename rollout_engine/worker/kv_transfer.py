@@ -136,11 +136,13 @@ class KVTransfer:
         layout_key: str,
         config: KVTransferConfig,
         fetchers: dict[str, Fetch],
+        weights_fingerprint: Callable[[], str],
     ) -> None:
         self.kv_caches = kv_caches  # logical view [L, 2, num_blocks, block_size, Hkv, D]
         self.spec = spec
         self.layout_key = layout_key
         self.config = config
+        self.weights_fingerprint = weights_fingerprint
         self.device = kv_caches.device
         self.address = ""
         """Prefill side, transport "grpc": this server's address, written into handles (the
@@ -189,6 +191,12 @@ class KVTransfer:
                 f"the handle's KV was computed with weight version {params.weight_version} "
                 f"but this engine has version {weight_version}; push the same weights to both "
                 "engines before generating, so that no completion mixes two versions"
+            )
+        if params.weights_fingerprint != self.weights_fingerprint():
+            raise KVTransferError(
+                "the handle's KV was computed with other weights than this engine's (another "
+                "checkpoint, or other values at the same weight version); load the same "
+                "checkpoint, or push the same weights, to both engines"
             )
         num_tokens = params.num_tokens
         if num_tokens >= len(prompt_token_ids) or (
@@ -240,6 +248,7 @@ class KVTransfer:
             prompt_hash=prompt_hash(prompt_token_ids[:num_tokens]),
             layout=self.layout_key,
             weight_version=weight_version,
+            weights_fingerprint=self.weights_fingerprint(),
         )
 
     def gather(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ accepted and written there, or ignored (still checked) when the manifest names b
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -232,6 +233,7 @@ class WeightUpdater:
         self._on_update = on_update
         self._session: WeightUpdateSession | None = None
         self.weight_version = 0
+        self._fingerprint: tuple[int, str] | None = None  # (weight_version, digest)
 
     def begin(self, manifest: Sequence[ManifestEntry]) -> WeightUpdateSession:
         """Validate every (name, shape, dtype), then open a session (an open one is aborted)."""
@@ -250,6 +252,20 @@ class WeightUpdater:
             "weight_update", phase="begin", tag="weights", num_bytes=self._session.num_bytes
         )
         return self._session
+
+    def fingerprint(self) -> str:
+        """A digest of the weights' values (64 evenly spaced elements of every parameter),
+        cached per weight version. Engines whose fingerprints differ hold other weights:
+        another checkpoint, or the same one at another step of training."""
+        if self._fingerprint is None or self._fingerprint[0] != self.weight_version:
+            digest = hashlib.sha256()
+            for name in sorted(self._params):
+                flat = self._params[name].reshape(-1)
+                sample = flat[:: max(1, flat.numel() // 64)][:64]
+                digest.update(name.encode())
+                digest.update(sample.float().cpu().numpy().tobytes())
+            self._fingerprint = (self.weight_version, digest.hexdigest()[:32])
+        return self._fingerprint[1]
 
     def update(self, named_tensors: NamedTensors) -> int:
         """Write a whole update in one session; the new weight version."""

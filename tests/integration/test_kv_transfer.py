@@ -22,6 +22,7 @@ from rollout_engine import (
     SamplingParams,
 )
 from rollout_engine.core.request import Request
+from rollout_engine.tiny_model import build_tiny_model
 from tests.conftest import ARCHS
 from tests.integration.hf_oracle import hf_greedy_batch
 
@@ -177,7 +178,7 @@ def test_an_abort_or_a_sleep_during_the_transfer_drops_it_and_leaks_nothing(tiny
     assert [o.outputs[0].token_ids for o in decode_llm.generate(PROMPTS[:1], greedy())] == expected
 
 
-def test_mismatched_handles_are_refused_with_a_clear_error(tiny_model_dirs):
+def test_mismatched_handles_are_refused_with_a_clear_error(tiny_model_dirs, tmp_path):
     model = str(tiny_model_dirs["llama"])
     prefill_llm = LLM(model, block_size=4, kv_role="prefill")
     (handle,) = prefill(prefill_llm, PROMPTS[:1])
@@ -196,6 +197,11 @@ def test_mismatched_handles_are_refused_with_a_clear_error(tiny_model_dirs):
             [prompt], greedy(kv_transfer_params=handle))
     with pytest.raises(KVTransferError, match="layout"):
         LLM(str(tiny_model_dirs["qwen2"]), block_size=4, kv_role="decode").generate(
+            [prompt], greedy(kv_transfer_params=handle))
+
+    other_checkpoint = build_tiny_model(tmp_path / "llama-seed1", "llama", "tiny", seed=1)
+    with pytest.raises(KVTransferError, match="other weights"):  # same shapes, other values
+        LLM(str(other_checkpoint), block_size=4, kv_role="decode").generate(
             [prompt], greedy(kv_transfer_params=handle))
 
     decode_llm = LLM(model, block_size=4, kv_role="decode")
