@@ -133,6 +133,10 @@ class Worker:
         return plan_kv_cache_bytes(total_bytes, free_bytes, weights_bytes, activation_bytes,
                                    cache_config.gpu_memory_utilization)
 
+    def shutdown(self) -> None:
+        """Nothing to stop for a single process (tensor parallelism's rank 0 stops the
+        other ranks here)."""
+
     # ------------------------------------------------------------------ memory
     def sleep(self, level: SleepLevel) -> None:
         self.weights.close_session("sleep() released the weights")
