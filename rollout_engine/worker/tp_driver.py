@@ -97,15 +97,17 @@ class DriverWorker(Worker):
         if prepared.inputs is None:
             return super().run_model(prepared)
         self.check_ready()
-        self.ranks.send("execute", prepared.scheduler_output)
         try:
+            self.ranks.send("execute", prepared.scheduler_output)
             output = super().run_model(prepared)
+        except RankFailedError as exc:
+            raise self._break(exc) from exc
         except BaseException as exc:
-            failure, all_in_step = self.ranks.failure("a step")
-            if failure is None and all_in_step:
+            failure, silent_ranks = self.ranks.failure("a step")
+            if failure is None and not silent_ranks:
                 self.ranks.collect("a step")  # e.g. sampling failed here: the group is fine
                 raise
-            raise self._break(failure or _rank0_failure(exc)) from exc
+            raise self._break(failure or _step_failure(exc, silent_ranks)) from exc
         try:
             self.ranks.collect("a step")
         except RankFailedError as exc:
@@ -150,13 +152,15 @@ class DriverWorker(Worker):
             self.tp.abort()
 
 
-def _rank0_failure(exc: BaseException) -> BaseException:
-    """What rank 0 raises when its own part failed while the other ranks were mid-way."""
+def _step_failure(exc: BaseException, silent_ranks: list[int]) -> BaseException:
+    """The error of a collective step that failed on rank 0 while other ranks had not
+    finished it: they may have stopped answering (the group's timeout then fails rank 0's
+    collective), or be waiting for rank 0, whose own part raised."""
     if not isinstance(exc, Exception):
         return exc  # KeyboardInterrupt and the like go up as they are
     return RankFailedError(
-        f"tensor-parallel rank 0 failed ({type(exc).__name__}: {exc}) while the other ranks "
-        "were in the same step; restart the engine"
+        f"a tensor-parallel step failed on rank 0 ({type(exc).__name__}: {exc}); "
+        f"rank(s) {', '.join(map(str, silent_ranks))} had not finished it; restart the engine"
     )
 
 
@@ -177,8 +181,8 @@ class RankWeightMirror:
         try:
             driver.tp.broadcast(tensor.detach().to(device).contiguous(), root=0)
         except BaseException as exc:
-            failure, _ = driver.ranks.failure(f"receiving {name!r}")
-            raise driver._break(failure or _rank0_failure(exc)) from exc
+            failure, silent_ranks = driver.ranks.failure(f"receiving {name!r}")
+            raise driver._break(failure or _step_failure(exc, silent_ranks)) from exc
         driver.ranks.collect(f"writing {name!r}")
 
     def finish(self) -> None:

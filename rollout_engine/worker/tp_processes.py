@@ -94,24 +94,24 @@ class RankProcesses:
         self.send(command, *args)
         return self.collect(command.replace("_", " "))
 
-    def failure(self, what: str, grace_s: float = 2.0) -> tuple[RankFailedError | None, bool]:
+    def failure(self, what: str, grace_s: float = 2.0) -> tuple[RankFailedError | None, list[int]]:
         """After something failed on rank 0: the error of a rank that reported one or exited
-        within `grace_s` (or None), and whether every rank answered (all in step)."""
+        within `grace_s` (or None), and the ranks that had not answered by then."""
         deadline = time.monotonic() + grace_s
-        num_answered = 0
+        silent_ranks = []
         for rank, conn, process in zip(self.ranks, self.conns, self.processes):
             if rank not in self._early_answers:
                 try:
                     self._early_answers[rank] = self._answer(rank, conn, process, what, deadline)
                 except RankFailedError as exc:
                     if "did not answer" not in str(exc):
-                        return exc, False
+                        return exc, []
+                    silent_ranks.append(rank)
                     continue
             status, value = self._early_answers[rank]
             if status != "ok":
-                return RankFailedError(f"tensor-parallel rank {rank} failed {what}: {value}"), False
-            num_answered += 1
-        return None, num_answered == len(self.ranks)
+                return RankFailedError(f"tensor-parallel rank {rank} failed {what}: {value}"), []
+        return None, silent_ranks
 
     def _answer(self, rank, conn, process, what: str, deadline: float) -> tuple[str, Any]:
         ready = multiprocessing.connection.wait(
