@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import traceback
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 

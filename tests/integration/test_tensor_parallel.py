@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from rollout_engine import LLM, SamplingParams
+from rollout_engine.protocol import WeightUpdateError
 from tests.conftest import ARCHS
 from tests.integration.hf_oracle import hf_greedy_batch
 
@@ -60,7 +61,8 @@ def test_tp2_greedy_equals_tp1_and_transformers(tiny_model_dirs, tp_engines, arc
         assert max(abs(a - b) for a, b in zip(one.logprobs, two.logprobs)) < 1e-4
     # Each rank's KV cache holds its own KV head only: half the bytes per block.
     worker = tp_engines(arch).engine.worker
-    assert worker.kv_spec.num_kv_heads == AutoConfig.from_pretrained(model_dir).num_key_value_heads // 2
+    num_kv_heads = AutoConfig.from_pretrained(model_dir).num_key_value_heads
+    assert worker.kv_spec.num_kv_heads == num_kv_heads // 2
 
 
 def test_sleep_level1_and_wake_up_on_every_rank_give_the_same_tokens(tp_engines):
@@ -104,13 +106,16 @@ def test_release_kv_cache_memory_and_wake_up_on_every_rank(tp_engines):
     assert [c.token_ids for c in run(llm)] == reference
 
 
-def test_weight_update_session_checks_full_shapes_and_shards_on_receipt(tp_engines, tiny_model_dirs):
+def test_weight_update_session_checks_full_shapes_and_shards_on_receipt(
+    tp_engines, tiny_model_dirs
+):
     llm = tp_engines("qwen2")  # tied embeddings, q/k/v biases
     reference = [c.token_ids for c in run(llm)]
     weights = load_file(str(tiny_model_dirs["qwen2"] / "model.safetensors"))
     name = "model.layers.0.self_attn.k_proj.weight"
     half = weights[name][: weights[name].shape[0] // 2]  # one rank's shard is not an update
-    with pytest.raises(Exception, match=r"the update has shape \[16, 64\], the model has \[32, 64\]"):
+    refused = r"the update has shape \[16, 64\], the model has \[32, 64\]"
+    with pytest.raises(WeightUpdateError, match=refused):
         llm.begin_weight_update([(name, tuple(half.shape), half.dtype)])
     session = llm.begin_weight_update([(n, tuple(t.shape), t.dtype) for n, t in weights.items()])
     for n, t in weights.items():

@@ -94,7 +94,8 @@ def test_interpreter_exit_stops_the_ranks(llama_dir):
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert wait_until_gone(int(result.stdout.split()[-1]))

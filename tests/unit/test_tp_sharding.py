@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rollout_engine.protocol import WeightUpdateError
 from rollout_engine.tiny_model import make_config
 from rollout_engine.worker.models.decoder import DecoderForCausalLM
 from rollout_engine.worker.models.tp_sharding import (
@@ -21,8 +22,9 @@ from rollout_engine.worker.models.tp_sharding import (
 from rollout_engine.worker.tp_group import TPGroup
 from rollout_engine.worker.weight_update import plan_update, weight_targets
 
-
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"
+}
 
 
 def tiny_config(arch: str, **overrides):
@@ -38,7 +40,8 @@ def meta_model(config, rank: int, size: int) -> DecoderForCausalLM:
 
 
 def test_split_evenly_gives_consecutive_equal_parts() -> None:
-    assert [split_evenly(128, 4, r, "x") for r in range(4)] == [(0, 32), (32, 32), (64, 32), (96, 32)]
+    parts = [split_evenly(128, 4, r, "x") for r in range(4)]
+    assert parts == [(0, 32), (32, 32), (64, 32), (96, 32)]
     with pytest.raises(ValueError, match="does not divide intermediate_size"):
         split_evenly(130, 4, 0, "intermediate_size")
 
@@ -132,5 +135,6 @@ def test_weight_update_manifest_is_checked_against_full_shapes() -> None:
     name = "model.layers.0.mlp.gate_proj.weight"
     plan = plan_update([(name, (128, 64), torch.float32)], params, aliases, None, specs)
     assert plan[name].shard == ShardSpec((128, 64), 0, 0, 64)
-    with pytest.raises(Exception, match=r"the update has shape \[64, 64\], the model has \[128, 64\]"):
+    refused = r"the update has shape \[64, 64\], the model has \[128, 64\]"
+    with pytest.raises(WeightUpdateError, match=refused):
         plan_update([(name, (64, 64), torch.float32)], params, aliases, None, specs)

@@ -69,7 +69,7 @@ def build_model(
     with torch.device("meta"):
         model = DecoderForCausalLM(hf_config, max_positions, tp)
     if allocate is None:
-        allocate = lambda shape, dt: torch.empty(shape, dtype=dt, device=device)  # noqa: E731
+        allocate = lambda shape, dt: torch.empty(shape, dtype=dt, device=device)
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None:
@@ -94,15 +94,8 @@ def parameter_nbytes(
 
 def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of every safetensors file in the directory."""
-    from safetensors import safe_open
-
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors files in {model_dir!r}")
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    for name, lazy in iterate_checkpoint_slices(model_dir):
+        yield name, lazy[:]
 
 
 def iterate_checkpoint_slices(model_dir: str) -> Iterator[tuple[str, Any]]:
