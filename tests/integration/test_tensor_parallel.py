@@ -11,6 +11,7 @@ from transformers import AutoConfig
 
 from rollout_engine import LLM, SamplingParams
 from rollout_engine.protocol import WeightUpdateError
+from rollout_engine.tiny_model import build_tiny_model
 from tests.conftest import ARCHS
 from tests.integration.hf_oracle import hf_greedy_batch
 
@@ -139,3 +140,28 @@ def test_tp1_starts_no_process_and_no_group(llama_dir):
     run(llm)
     assert llm.engine.worker.tp.process_group is None
     assert set(multiprocessing.active_children()) == children
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path):
+    # One KV head (multi-query attention) over 2 ranks: both ranks hold a copy of it.
+    model_dir = str(build_tiny_model(tmp_path / "mqa", "llama", "tiny", num_key_value_heads=1))
+    llm = LLM(model_dir, tensor_parallel_size=2, **OPTIONS)
+    try:
+        assert llm.engine.worker.kv_spec.num_kv_heads == 1
+        sharded = run(llm)
+    finally:
+        llm.shutdown()
+    expected = hf_greedy_batch(model_dir, PROMPTS, MAX_NEW_TOKENS)
+    assert [c.token_ids for c in sharded] == expected
+
+
+def test_speculative_decoding_under_tp_gives_the_same_tokens(llama_dir):
+    repetitive = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], *PROMPTS]
+    reference = run(LLM(str(llama_dir), **OPTIONS), repetitive)
+    llm = LLM(str(llama_dir), tensor_parallel_size=2, num_speculative_tokens=3, **OPTIONS)
+    try:
+        drafted = run(llm, repetitive)
+        assert llm.stats()["spec_num_drafts"] > 0
+    finally:
+        llm.shutdown()
+    assert [c.token_ids for c in drafted] == [c.token_ids for c in reference]
