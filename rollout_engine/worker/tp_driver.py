@@ -4,8 +4,8 @@ The engine (scheduler, sampling, outputs) runs in this process against `DriverWo
 has the same interface as `Worker`: each step's `SchedulerOutput` and each memory or weight
 command goes to the other ranks (`RankProcesses`) before rank 0 applies it to its own shard;
 the forward's collectives keep the ranks in step. A failed step breaks the group for good
-(the ranks' collectives are out of step): the engine then refuses work with
-`RankFailedError`, naming the rank when one died or failed.
+(the ranks' collectives are out of step), and so does any rank that fails or dies: the
+engine then refuses work with `RankFailedError`, naming the rank when one died or failed.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class DriverWorker(Worker):
             if failure is None and not silent_ranks:
                 self.ranks.collect("a step")  # e.g. sampling failed here: the group is fine
                 raise
-            raise self._break(failure or _step_failure(exc, silent_ranks)) from exc
+            raise self._break(failure or _collective_failure("a step", exc, silent_ranks)) from exc
         try:
             self.ranks.collect("a step")
         except RankFailedError as exc:
@@ -118,10 +118,19 @@ class DriverWorker(Worker):
         """Mark the group unusable and return `error`, to be raised."""
         self.tp.abort()  # ranks still waiting in a collective fail at once
         self._broken = (
-            f"a tensor-parallel step failed earlier ({type(error).__name__}: {error}); the "
-            "ranks are out of step: restart the engine"
+            f"tensor parallelism failed earlier ({type(error).__name__}: {error}); the ranks "
+            "are out of step: restart the engine"
         )
         return error
+
+    def call_ranks(self, command, *args: Any) -> list[Any]:
+        """Run a command on every other rank; a rank that fails or dies breaks the group."""
+        if self._broken is not None:
+            raise RankFailedError(self._broken)
+        try:
+            return self.ranks.call(command, *args)
+        except RankFailedError as exc:
+            raise self._break(exc) from exc
 
     # ------------------------------------------------------------------ memory
     def sleep(self, level: SleepLevel) -> None:
@@ -139,11 +148,11 @@ class DriverWorker(Worker):
         if self._broken is not None:
             raise RankFailedError(self._broken)
         apply(*args)
-        self.ranks.call(command, *args)
+        self.call_ranks(command, *args)
 
     def rank_memory_states(self) -> list[MemoryState]:
         """Every rank's own memory state, rank 0 first."""
-        return [self.memory_state(), *self.ranks.call("memory_state")]
+        return [self.memory_state(), *self.call_ranks("memory_state")]
 
     def shutdown(self) -> None:
         """Stop the other ranks' processes and leave the group."""
@@ -152,14 +161,14 @@ class DriverWorker(Worker):
             self.tp.abort()
 
 
-def _step_failure(exc: BaseException, silent_ranks: list[int]) -> BaseException:
-    """The error of a collective step that failed on rank 0 while other ranks had not
+def _collective_failure(what: str, exc: BaseException, silent_ranks: list[int]) -> BaseException:
+    """The error of collective work (`what`) that failed on rank 0 while other ranks had not
     finished it: they may have stopped answering (the group's timeout then fails rank 0's
     collective), or be waiting for rank 0, whose own part raised."""
     if not isinstance(exc, Exception):
         return exc  # KeyboardInterrupt and the like go up as they are
     return RankFailedError(
-        f"a tensor-parallel step failed on rank 0 ({type(exc).__name__}: {exc}); "
+        f"{what} failed on tensor-parallel rank 0 ({type(exc).__name__}: {exc}); "
         f"rank(s) {', '.join(map(str, silent_ranks))} had not finished it; restart the engine"
     )
 
@@ -172,22 +181,25 @@ class RankWeightMirror:
         self.driver = driver
 
     def begin(self, manifest: list[ManifestEntry]) -> None:
-        self.driver.ranks.call("weights_begin", manifest)
+        self.driver.call_ranks("weights_begin", manifest)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         driver = self.driver
-        driver.ranks.send("weights_write", name, tuple(tensor.shape), tensor.dtype)
         device = driver.device if driver.device.type == "cuda" else torch.device("cpu")
         try:
+            driver.ranks.send("weights_write", name, tuple(tensor.shape), tensor.dtype)
             driver.tp.broadcast(tensor.detach().to(device).contiguous(), root=0)
+            driver.ranks.collect(f"writing {name!r}")
+        except RankFailedError as exc:
+            raise driver._break(exc) from exc
         except BaseException as exc:
             failure, silent_ranks = driver.ranks.failure(f"receiving {name!r}")
-            raise driver._break(failure or _step_failure(exc, silent_ranks)) from exc
-        driver.ranks.collect(f"writing {name!r}")
+            error = failure or _collective_failure(f"sending {name!r}", exc, silent_ranks)
+            raise driver._break(error) from exc
 
     def finish(self) -> None:
-        self.driver.ranks.call("weights_finish")
+        self.driver.call_ranks("weights_finish")
 
     def abort(self, reason: str) -> None:
         if self.driver._broken is None:
-            self.driver.ranks.call("weights_abort", reason)
+            self.driver.call_ranks("weights_abort", reason)

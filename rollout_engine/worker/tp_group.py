@@ -77,6 +77,7 @@ def connect(
     prefixed = dist.PrefixStore(TP_STORE_PREFIX, store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds the communicator to the current device
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         process_group = dist.ProcessGroupNCCL(prefixed, rank, size, options)

@@ -56,15 +56,6 @@ class RankProcesses:
     def ranks(self) -> range:
         return range(1, self.size)
 
-    def check_alive(self) -> None:
-        """RankFailedError naming the first rank whose process has exited."""
-        for rank, process in zip(self.ranks, self.processes):
-            if not process.is_alive():
-                raise RankFailedError(
-                    f"tensor-parallel rank {rank} is gone (exit code {process.exitcode}); "
-                    "restart the engine"
-                )
-
     def send(self, command: RankCommand, *args: Any) -> None:
         """The command to every rank, without waiting for their answers."""
         for rank, conn in zip(self.ranks, self.conns):
@@ -79,11 +70,18 @@ class RankProcesses:
     def collect(self, what: str, timeout_s: float | None = None) -> list[Any]:
         """Every rank's answer to the last command, in rank order; RankFailedError naming
         the first rank that failed, died or did not answer within the timeout."""
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         results = []
         for rank, conn, process in zip(self.ranks, self.conns, self.processes):
             answer = self._early_answers.pop(rank, None)
-            status, value = answer or self._answer(rank, conn, process, what, deadline)
+            answer = answer or self._answer(rank, conn, process, what, deadline)
+            if answer is None:
+                raise RankFailedError(
+                    f"tensor-parallel rank {rank} did not answer {what} within {timeout_s:g} s "
+                    "(distributed_timeout_s); restart the engine"
+                )
+            status, value = answer
             if status != "ok":
                 raise RankFailedError(f"tensor-parallel rank {rank} failed {what}: {value}")
             results.append(value)
@@ -102,18 +100,21 @@ class RankProcesses:
         for rank, conn, process in zip(self.ranks, self.conns, self.processes):
             if rank not in self._early_answers:
                 try:
-                    self._early_answers[rank] = self._answer(rank, conn, process, what, deadline)
+                    answer = self._answer(rank, conn, process, what, deadline)
                 except RankFailedError as exc:
-                    if "did not answer" not in str(exc):
-                        return exc, []
+                    return exc, []
+                if answer is None:
                     silent_ranks.append(rank)
                     continue
+                self._early_answers[rank] = answer
             status, value = self._early_answers[rank]
             if status != "ok":
                 return RankFailedError(f"tensor-parallel rank {rank} failed {what}: {value}"), []
         return None, silent_ranks
 
-    def _answer(self, rank, conn, process, what: str, deadline: float) -> tuple[str, Any]:
+    def _answer(self, rank, conn, process, what: str, deadline: float) -> tuple[str, Any] | None:
+        """The rank's ("ok" | "error", value), or None if none came by the deadline;
+        RankFailedError if its process exited without answering."""
         ready = multiprocessing.connection.wait(
             [conn, process.sentinel], timeout=max(0.0, deadline - time.monotonic())
         )
@@ -122,15 +123,12 @@ class RankProcesses:
                 return conn.recv()
             except (EOFError, OSError):
                 pass  # it exited without answering
-        if ready:
-            process.join(1.0)
-            raise RankFailedError(
-                f"tensor-parallel rank {rank} died during {what} (exit code "
-                f"{process.exitcode}); restart the engine"
-            )
+        if not ready:
+            return None
+        process.join(1.0)
         raise RankFailedError(
-            f"tensor-parallel rank {rank} did not answer {what} within "
-            f"{self.timeout_s:g} s (distributed_timeout_s); restart the engine"
+            f"tensor-parallel rank {rank} died during {what} (exit code {process.exitcode}); "
+            "restart the engine"
         )
 
     def shutdown(self) -> None:
