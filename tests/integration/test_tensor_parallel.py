@@ -129,8 +129,10 @@ def test_refused_configurations_start_no_process(llama_dir):
     children = set(multiprocessing.active_children())
     with pytest.raises(ValueError, match="does not divide num_attention_heads"):
         LLM(str(llama_dir), tensor_parallel_size=3, **OPTIONS)
-    with pytest.raises(ValueError, match="async_scheduling is not supported with tensor_parallel"):
-        LLM(str(llama_dir), tensor_parallel_size=2, async_scheduling=True, **OPTIONS)
+    for option in ({"async_scheduling": True}, {"cuda_graphs": True}, {"kv_role": "both"}):
+        (name,) = option
+        with pytest.raises(ValueError, match=f"{name}.*not supported with tensor_parallel"):
+            LLM(str(llama_dir), tensor_parallel_size=2, **option, **OPTIONS)
     assert set(multiprocessing.active_children()) == children
 
 
