@@ -244,6 +244,13 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         default=None,
                         help="schedule and prepare the next step while the current one "
                         "computes (default: the engine's)")
+    parallel = parser.add_argument_group("tensor parallelism")
+    parallel.add_argument("--tensor-parallel-size", type=int,
+                          help="split the model over this many ranks, one process each "
+                          "(cuda:0..N-1 on GPUs, the cores shared on CPU; default: 1)")
+    parallel.add_argument("--distributed-timeout-s", type=float,
+                          help="a rank that has not finished a collective or command by then "
+                          "fails the step, named in the error (default: 60)")
     kv = parser.add_argument_group("prefill-decode disaggregation")
     kv.add_argument("--kv-role", choices=["prefill", "decode", "both"],
                     help="save prompts' KV for a decode engine (prefill), load it (decode), or "
@@ -269,7 +276,7 @@ _SERVE_ENGINE_OPTIONS = (
     "gpu_memory_utilization",
     "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_speculative_tokens",
     "async_scheduling", "kv_role", "kv_peer", "kv_transport", "kv_transfer_timeout_s",
-    "kv_handle_ttl_s",
+    "kv_handle_ttl_s", "tensor_parallel_size", "distributed_timeout_s",
 )
 
 

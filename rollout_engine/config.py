@@ -185,6 +185,24 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism inside one engine (DESIGN "Scale-out"): one process per rank."""
+
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over; 1 runs in this process alone (no process group)."""
+    distributed_timeout_s: float = 60.0
+    """A collective or command a rank has not completed by then fails the step, naming the
+    rank (and so does a rank that dies): nothing waits forever on a lost rank."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",
+        )
+        _require(self.distributed_timeout_s > 0, "distributed_timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """How the gRPC server listens and admits work."""
 
@@ -243,6 +261,25 @@ class EngineConfig:
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     memory_config: MemoryConfig = field(default_factory=MemoryConfig)
     kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.parallel_config.tensor_parallel_size == 1:
+            return
+        _require(
+            not self.scheduler_config.async_scheduling,
+            "async_scheduling is not supported with tensor_parallel_size > 1; turn one of "
+            "them off",
+        )
+        _require(
+            not self.model_config.cuda_graphs,
+            "cuda_graphs is not supported with tensor_parallel_size > 1; turn one of them off",
+        )
+        _require(
+            self.kv_transfer_config.kv_role is None,
+            "KV transfers (kv_role) are not supported with tensor_parallel_size > 1; turn "
+            "one of them off",
+        )
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -262,6 +299,7 @@ class EngineConfig:
             speculative_config=SpeculativeConfig(**groups["speculative_config"]),
             memory_config=MemoryConfig(**groups["memory_config"]),
             kv_transfer_config=KVTransferConfig(**groups["kv_transfer_config"]),
+            parallel_config=ParallelConfig(**groups["parallel_config"]),
         )
 
 
@@ -282,6 +320,7 @@ _GROUPS: dict[str, type] = {
     "speculative_config": SpeculativeConfig,
     "memory_config": MemoryConfig,
     "kv_transfer_config": KVTransferConfig,
+    "parallel_config": ParallelConfig,
 }
 _FIELD_OWNER: dict[str, str] = {
     f.name: group

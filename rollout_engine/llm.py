@@ -97,6 +97,11 @@ class LLM:
     def kv_cache_ptr(self) -> int:
         return self.engine.kv_cache_ptr()
 
+    def shutdown(self) -> None:
+        """Stop the engine's threads and, under tensor parallelism, the other ranks'
+        processes (they are also stopped when the LLM is collected or Python exits)."""
+        self.engine.shutdown()
+
     def weight_ptrs(self) -> dict[str, int]:
         return self.engine.weight_ptrs()
 

@@ -59,7 +59,7 @@ class LLMEngine:
         self.processor = Processor(model_dir, self.hf_config)
         self.memory_events = MemoryEventLog(config.memory_config.timeline_max_events)
         """Sleep, wake and weight-update events of this engine, with their timing."""
-        self.worker = Worker(
+        self.worker = _worker_class(config)(
             config, self.hf_config, max_model_len, self.memory_events, self.reset_prefix_cache
         )
         self.limits = RuntimeLimits(
@@ -88,7 +88,7 @@ class LLMEngine:
         self._forward_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.cpu_threads: CpuThreadPolicy | None = None
         if self.worker.device.type == "cpu":
-            self.cpu_threads = CpuThreadPolicy(config.model_config.cpu_threads)
+            self.cpu_threads = CpuThreadPolicy(_cpu_threads(config))
         if self.async_scheduling or self.cpu_threads is not None:
             # The initializer must not hold `self`: the thread would keep the engine alive.
             self._forward_thread = concurrent.futures.ThreadPoolExecutor(
@@ -367,10 +367,11 @@ class LLMEngine:
         return self.worker.run_model(prepared)
 
     def shutdown(self) -> None:
-        """Stop the engine's threads (forward, grammar compiling); steps in flight are waited
-        for."""
+        """Stop the engine's threads (forward, grammar compiling) and the processes of the
+        other tensor-parallel ranks; steps in flight are waited for."""
         if self._forward_thread is not None:
             self._forward_thread.shutdown(wait=True)
+        self.worker.shutdown()
         if self._grammar_compiler is not None:
             self._grammar_compiler.shutdown()
         if self.kv_transfer is not None:
@@ -555,6 +556,25 @@ class LLMEngine:
     def weight_ptrs(self) -> dict[str, int]:
         """Address of every parameter the model uses; stable across sleep, wake and updates."""
         return self.worker.weight_ptrs()
+
+
+def _worker_class(config: EngineConfig) -> type[Worker]:
+    """The plain Worker, or under tensor parallelism rank 0's, which starts the others."""
+    if config.parallel_config.tensor_parallel_size == 1:
+        return Worker
+    from rollout_engine.worker.tp_driver import DriverWorker
+
+    return DriverWorker
+
+
+def _cpu_threads(config: EngineConfig) -> int | None:
+    """The forward's fixed CPU thread count, if any: under tensor parallelism each rank gets
+    its share of the cores."""
+    if config.parallel_config.tensor_parallel_size == 1:
+        return config.model_config.cpu_threads
+    from rollout_engine.worker.tp_driver import cpu_threads_per_rank
+
+    return cpu_threads_per_rank(config)
 
 
 def _run_here(fn, *args) -> concurrent.futures.Future:

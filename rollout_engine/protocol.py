@@ -191,6 +191,11 @@ class StepFailedError(InternalError):
     """A step's forward or sampling raised; its requests were ended (`request_ids`)."""
 
 
+class RankFailedError(StepFailedError):
+    """A tensor-parallel rank died, failed or stopped answering; the message names it. The
+    engine refuses further work: restart it."""
+
+
 ERROR_TYPES: dict[str, type[EngineError]] = {
     cls.__name__: cls
     for cls in (
@@ -198,7 +203,7 @@ ERROR_TYPES: dict[str, type[EngineError]] = {
         InternalError, UnavailableError, UnauthenticatedError, DeadlineExceededError,
         InvalidRequestError, ModelLoadError, WeightUpdateError, EngineSleepingError,
         EngineBusyError, OutOfBlocksError, AdmissionError, DeviceOutOfMemoryError,
-        StepFailedError, KVTransferError,
+        StepFailedError, RankFailedError, KVTransferError,
     )
 }
 _ERRORS_BY_CODE: dict[str, type[EngineError]] = {

@@ -133,5 +133,8 @@ async def report_health(engine_loop: EngineLoop, health_servicer, config: Server
 
 def run_server(engine: LLMEngine, config: ServerConfig, model_name: str = "") -> int:
     """Blocking entry point of `rollout-engine serve`; returns the exit status."""
-    asyncio.run(serve(engine, config, model_name))
+    try:
+        asyncio.run(serve(engine, config, model_name))
+    finally:
+        engine.worker.shutdown()  # the other tensor-parallel ranks' processes (none at TP=1)
     return 0

@@ -9,6 +9,7 @@ import torch
 from kernels import KVCacheLayout
 from rollout_engine.config import CacheConfig
 from rollout_engine.worker.models.decoder import head_dim_of
+from rollout_engine.worker.models.tp_sharding import num_local_kv_heads
 
 
 @dataclass(frozen=True)
@@ -22,9 +23,12 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def from_model(cls, hf_config, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    def from_model(
+        cls, hf_config, block_size: int, dtype: torch.dtype, tp_size: int = 1
+    ) -> KVCacheSpec:
+        """One rank's KV cache: with tensor parallelism it holds only that rank's KV heads."""
         return cls(
-            hf_config.num_hidden_layers, block_size, hf_config.num_key_value_heads,
+            hf_config.num_hidden_layers, block_size, num_local_kv_heads(hf_config, tp_size),
             head_dim_of(hf_config), dtype,
         )
 

@@ -42,8 +42,12 @@ class ModelRunner:
         block_size: int,
         seed: int,
         decode_graphs: DecodeGraphs | None = None,
+        is_driver: bool = True,
     ) -> None:
         self.model = model
+        self.is_driver = is_driver
+        """False on tensor-parallel ranks other than 0: they run the forward and the logits'
+        all-gather, and leave sampling to rank 0."""
         self.kv_caches = kv_caches  # [L, 2, num_blocks, block_size, Hkv, D]
         self.block_size = block_size
         self.device = kv_caches.device
@@ -123,6 +127,8 @@ class ModelRunner:
         if step.logits_rows.shape[0] != hidden.shape[0]:
             hidden = hidden.index_select(0, step.logits_rows)
         logits = self.model.compute_logits(hidden)  # [P, vocab] float32
+        if not self.is_driver:
+            return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
         plan = step.sampling_plan
         bitmask = None
         if prepared.token_bitmask is not None:

@@ -5,6 +5,9 @@ Face checkpoint names). Dtypes must equal the parameter's dtype exactly: a cast 
 trainer that sends bf16 to an fp32 engine (or the reverse), so it is refused instead. With
 tied embeddings `lm_head.weight` is the same tensor as `model.embed_tokens.weight`: it is
 accepted and written there, or ignored (still checked) when the manifest names both.
+
+Under tensor parallelism every rank receives the full checkpoint-shaped tensor and keeps its
+shard (`ShardSpec`); manifests are checked against the full shapes.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from memory import MemoryEventLog
 from rollout_engine.protocol import WeightUpdateError
 from rollout_engine.worker.engine_memory import EngineMemory
+from rollout_engine.worker.models.tp_sharding import ShardSpec
 
 ManifestEntry = tuple[str, tuple[int, ...], torch.dtype]
 """(name, shape, dtype) of one tensor an update will send."""
@@ -34,8 +39,20 @@ class _Target:
     """Where one manifest entry goes; `param` is None for an ignored tied alias."""
 
     shape: tuple[int, ...]
+    """The full (checkpoint) shape."""
     dtype: torch.dtype
     param: torch.Tensor | None
+    shard: ShardSpec
+    """This rank's slice of the full tensor."""
+
+
+class WeightMirror(Protocol):
+    """Forwards an update to the other tensor-parallel ranks (rank 0 only)."""
+
+    def begin(self, manifest: list[ManifestEntry]) -> None: ...
+    def write(self, name: str, tensor: torch.Tensor) -> None: ...
+    def finish(self) -> None: ...
+    def abort(self, reason: str) -> None: ...
 
 
 def weight_targets(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -45,13 +62,22 @@ def weight_targets(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dic
     return params, aliases
 
 
+def shard_specs_of(model: torch.nn.Module) -> dict[str, ShardSpec]:
+    """Each parameter's slice of its checkpoint tensor (whole for a plain module)."""
+    if hasattr(model, "shard_specs"):
+        return model.shard_specs()
+    return {name: ShardSpec(tuple(p.shape)) for name, p in model.named_parameters()}
+
+
 def plan_update(
     manifest: Iterable[ManifestEntry],
     params: Mapping[str, torch.Tensor],
     aliases: Mapping[str, str],
     require_all: str | None,
+    specs: Mapping[str, ShardSpec] | None = None,
 ) -> dict[str, _Target]:
-    """Check every entry; with `require_all` (the reason) every parameter must be covered."""
+    """Check every entry against the full shapes; with `require_all` (the reason) every
+    parameter must be covered."""
     entries = [_check_entry(entry) for entry in manifest]
     if not entries:
         raise WeightUpdateError("the weight update manifest is empty; send at least one tensor")
@@ -59,7 +85,12 @@ def plan_update(
     duplicates = sorted(n for n, count in Counter(names).items() if count > 1)
     if duplicates:
         raise WeightUpdateError(f"the manifest names {_shown(duplicates)} more than once")
-    plan = {name: _target(name, shape, dtype, params, aliases, names) for name, shape, dtype in entries}
+    if specs is None:
+        specs = {name: ShardSpec(tuple(p.shape)) for name, p in params.items()}
+    plan = {
+        name: _target(name, shape, dtype, params, aliases, names, specs)
+        for name, shape, dtype in entries
+    }
     if require_all is not None:
         covered = {aliases.get(name, name) for name in names}
         missing = sorted(set(params) - covered)
@@ -93,6 +124,7 @@ def _target(
     params: Mapping[str, torch.Tensor],
     aliases: Mapping[str, str],
     names: list[str],
+    specs: Mapping[str, ShardSpec],
 ) -> _Target:
     param_name = aliases.get(name, name)
     param = params.get(param_name)
@@ -101,10 +133,11 @@ def _target(
             f"unknown parameter name {name!r}; names must be the model's parameter names "
             f"(model.named_parameters()), e.g. {_shown(sorted(params)[:3])}"
         )
-    if shape != tuple(param.shape):
+    full_shape = specs[param_name].full_shape
+    if shape != full_shape:
         raise WeightUpdateError(
             f"parameter {name!r}: the update has shape {list(shape)}, "
-            f"the model has {list(param.shape)}"
+            f"the model has {list(full_shape)}"
         )
     if dtype != param.dtype:
         raise WeightUpdateError(
@@ -112,7 +145,7 @@ def _target(
             f"cast it to {param.dtype} before sending"
         )
     is_ignored_alias = name != param_name and param_name in names
-    return _Target(shape, dtype, None if is_ignored_alias else param)
+    return _Target(shape, dtype, None if is_ignored_alias else param, specs[param_name])
 
 
 def _shown(names: list[str]) -> str:
@@ -132,10 +165,12 @@ class WeightUpdateSession:
         plan: dict[str, _Target],
         on_finish: Callable[[WeightUpdateSession], int],
         on_close: Callable[[WeightUpdateSession, str], None],
+        mirror: WeightMirror | None = None,
     ) -> None:
         self._plan = plan
         self._on_finish = on_finish
         self._on_close = on_close
+        self._mirror = mirror
         self._written: set[str] = set()
         self._closed_reason: str | None = None
         self.num_bytes = sum(t.param.nbytes for t in plan.values() if t.param is not None)
@@ -166,7 +201,9 @@ class WeightUpdateSession:
             )
         if target.param is not None:
             with torch.no_grad():
-                target.param.copy_(tensor)
+                target.shard.copy_into(target.param, tensor)
+        if self._mirror is not None:
+            self._mirror.write(name, tensor)
         self._written.add(name)
 
     def finish(self) -> int:
@@ -180,6 +217,12 @@ class WeightUpdateSession:
                 f"were never written ({_shown(missing)}); the weights stay inconsistent and "
                 f"generation is refused until a complete update lands"
             )
+        if self._mirror is not None:
+            try:
+                self._mirror.finish()
+            except BaseException:
+                self.abort("another tensor-parallel rank failed to finish it")
+                raise
         self._closed_reason = "it finished"
         return self._on_finish(self)
 
@@ -188,7 +231,11 @@ class WeightUpdateSession:
         if self._closed_reason is not None:
             return
         self._closed_reason = reason
-        self._on_close(self, reason)
+        try:
+            if self._mirror is not None:
+                self._mirror.abort(reason)
+        finally:
+            self._on_close(self, reason)
 
     def _check_open(self) -> None:
         if self._closed_reason is not None:
@@ -228,6 +275,9 @@ class WeightUpdater:
         on_update: Callable[[], None],
     ) -> None:
         self._params, self._aliases = weight_targets(model)
+        self._specs = shard_specs_of(model)
+        self.mirror: WeightMirror | None = None
+        """Set on rank 0 of a tensor-parallel group: every step of an update is forwarded."""
         self._memory = memory
         self._event_log = event_log
         self._on_update = on_update
@@ -244,10 +294,12 @@ class WeightUpdater:
                 "the current weights are not valid (discarded by sleep(level=2), or an earlier "
                 "update was cut off)"
             )
-        plan = plan_update(manifest, self._params, self._aliases, require_all)
+        plan = plan_update(manifest, self._params, self._aliases, require_all, self._specs)
         self.close_session("a newer begin_weight_update superseded it")
+        if self.mirror is not None:
+            self.mirror.begin([(name, t.shape, t.dtype) for name, t in plan.items()])
         self._memory.begin_weight_update()
-        self._session = WeightUpdateSession(plan, self._finish, self._on_closed)
+        self._session = WeightUpdateSession(plan, self._finish, self._on_closed, self.mirror)
         self._event_log.record(
             "weight_update", phase="begin", tag="weights", num_bytes=self._session.num_bytes
         )

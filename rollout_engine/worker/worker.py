@@ -22,11 +22,13 @@ from rollout_engine.worker.kv_cache_spec import (
 from rollout_engine.worker.model_runner import ModelRunner, PreparedStep
 from rollout_engine.worker.models.loader import (
     build_model,
-    iterate_checkpoint,
+    iterate_checkpoint_slices,
     load_weights,
     parameter_nbytes,
     resolve_dtype,
 )
+from rollout_engine.worker.models.tp_sharding import check_tensor_parallel
+from rollout_engine.worker.tp_group import TPGroup
 from rollout_engine.worker.weight_update import WeightUpdater
 
 
@@ -34,7 +36,9 @@ class Worker:
     """Loads the model into the "weights" pool, sizes and allocates the KV cache in the
     "kv_cache" pool (in the layout the kernels want), and runs steps.
 
-    `on_weight_update` is called after every completed weight update.
+    `on_weight_update` is called after every completed weight update. Under tensor
+    parallelism each rank has a Worker of its own holding its shard (`tp`); only rank 0's
+    samples.
     """
 
     def __init__(
@@ -44,18 +48,25 @@ class Worker:
         max_model_len: int,
         event_log: MemoryEventLog,
         on_weight_update: Callable[[], None],
+        tp: TPGroup | None = None,
+        device: torch.device | None = None,
     ) -> None:
         model_config, cache_config = config.model_config, config.cache_config
-        self.device = torch.device(model_config.device)
+        self.tp = tp = tp or TPGroup()
+        check_tensor_parallel(hf_config, tp.size)
+        self.device = device or torch.device(model_config.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # this thread's kernels go to the engine's GPU
         self.dtype = resolve_dtype(model_config.dtype, hf_config, self.device)
         self.memory = EngineMemory(self.device, event_log)
-        weights_pool = self.memory.create_weights_pool(parameter_nbytes(hf_config, self.dtype))
-        model = build_model(
-            hf_config, self.dtype, self.device, max_model_len, allocate=weights_pool.allocate
+        weights_pool = self.memory.create_weights_pool(
+            parameter_nbytes(hf_config, self.dtype, tp=tp)
         )
-        load_weights(model, iterate_checkpoint(model_config.model))
+        model = build_model(
+            hf_config, self.dtype, self.device, max_model_len, allocate=weights_pool.allocate,
+            tp=tp,
+        )
+        load_weights(model, iterate_checkpoint_slices(model_config.model))
 
         def after_update() -> None:
             on_weight_update()
@@ -64,7 +75,7 @@ class Worker:
 
         self.weights = WeightUpdater(model, self.memory, event_log, after_update)
         kv_spec = self.kv_spec = KVCacheSpec.from_model(
-            hf_config, cache_config.block_size, self.dtype
+            hf_config, cache_config.block_size, self.dtype, tp.size
         )
         self.num_blocks = kv_spec.num_blocks_for(
             cache_config, self._kv_cache_bytes(config, hf_config, weights_pool.num_bytes)
@@ -86,7 +97,8 @@ class Worker:
                 scratch_block=self.num_blocks,
             )
         self.model_runner = ModelRunner(
-            model, kv_caches, cache_config.block_size, model_config.seed, decode_graphs
+            model, kv_caches, cache_config.block_size, model_config.seed, decode_graphs,
+            is_driver=tp.is_driver,
         )
 
     def check_ready(self) -> None:
@@ -120,6 +132,10 @@ class Worker:
         )
         return plan_kv_cache_bytes(total_bytes, free_bytes, weights_bytes, activation_bytes,
                                    cache_config.gpu_memory_utilization)
+
+    def shutdown(self) -> None:
+        """Nothing to stop for a single process (tensor parallelism's rank 0 stops the
+        other ranks here)."""
 
     # ------------------------------------------------------------------ memory
     def sleep(self, level: SleepLevel) -> None:

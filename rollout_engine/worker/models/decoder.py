@@ -1,4 +1,8 @@
-"""Llama / Qwen2 / Qwen3 decoder over a paged KV cache; parameter names match the checkpoints."""
+"""Llama / Qwen2 / Qwen3 decoder over a paged KV cache; parameter names match the checkpoints.
+
+With tensor parallelism each rank builds the same module tree holding only its shard (see
+`parallel_layers.py`); `shard_specs()` says which slice of each checkpoint tensor that is.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,15 @@ from torch import nn
 
 from kernels import AttentionMetadata, paged_attention, store_kv_cache
 from rollout_engine.worker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from rollout_engine.worker.models.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_logits,
+)
+from rollout_engine.worker.models.tp_sharding import ShardSpec, attention_shard
+from rollout_engine.worker.tp_group import TPGroup
 
 
 @dataclass(frozen=True)
@@ -33,19 +46,28 @@ def head_dim_of(config) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, config, spec: ArchSpec) -> None:
+    """Self-attention over this rank's heads (all of them at tensor_parallel_size 1)."""
+
+    def __init__(self, config, spec: ArchSpec, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
+        shard = attention_shard(
+            config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank
+        )
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
+        self.head_dim = head_dim = head_dim_of(config)
         self.scale = self.head_dim**-0.5
         attn_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attn_bias if spec.qkv_bias is None else spec.qkv_bias
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=attn_bias)
+        q_rows = (shard.q_start * head_dim, shard.num_heads * head_dim)
+        kv_rows = (shard.kv_start * head_dim, shard.num_kv_heads * head_dim)
+        q_size = config.num_attention_heads * head_dim
+        kv_size = config.num_key_value_heads * head_dim
+        self.q_proj = ColumnParallelLinear(hidden, q_size, qkv_bias, q_rows, tp)
+        self.k_proj = ColumnParallelLinear(hidden, kv_size, qkv_bias, kv_rows, tp)
+        self.v_proj = ColumnParallelLinear(hidden, kv_size, qkv_bias, kv_rows, tp)
+        self.o_proj = RowParallelLinear(q_size, hidden, attn_bias, q_rows, tp)
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -72,13 +94,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, spec: ArchSpec) -> None:
+    def __init__(self, config, spec: ArchSpec, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, spec)
+        self.self_attn = Attention(config, spec, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, mlp_bias)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, mlp_bias, tp)
 
     def forward(self, hidden, rope, kv_cache, metadata) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
@@ -86,12 +108,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, spec: ArchSpec, max_positions: int) -> None:
+    def __init__(self, config, spec: ArchSpec, max_positions: int, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, spec) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, spec, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -99,14 +121,15 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """The causal LM; `forward` works on a flat ragged batch of tokens."""
 
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         architecture = (config.architectures or ["LlamaForCausalLM"])[0]
         self.config = config
-        self.model = DecoderModel(config, ARCHITECTURES[architecture], max_positions)
+        self.tp = tp = tp or TPGroup()
+        self.model = DecoderModel(config, ARCHITECTURES[architecture], max_positions, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
 
     @property
     def num_layers(self) -> int:
@@ -127,6 +150,16 @@ class DecoderForCausalLM(nn.Module):
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [R, hidden] -> float32 logits [R, vocab]."""
+        """hidden: [R, hidden] -> float32 logits [R, vocab], whole on every rank."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        """Parameter name -> the slice of the checkpoint tensor of that name it holds."""
+        specs: dict[str, ShardSpec] = {}
+        for module_name, module in self.named_modules():
+            own = module.param_shard_specs() if hasattr(module, "param_shard_specs") else {}
+            for name, param in module.named_parameters(recurse=False):
+                spec = own.get(name) or ShardSpec(tuple(param.shape))
+                specs[f"{module_name}.{name}" if module_name else name] = spec
+        return specs

@@ -6,6 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout_engine.worker.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from rollout_engine.worker.models.tp_sharding import split_evenly
+from rollout_engine.worker.tp_group import TPGroup
+
 
 class RMSNorm(nn.Module):
     """Hugging Face's RMSNorm: normalise in fp32, scale in the input dtype."""
@@ -80,13 +84,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)); gate/up split by output rows and down by
+    input columns across tensor-parallel ranks."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        tp = tp or TPGroup()
+        rows = split_evenly(intermediate_size, tp.size, tp.rank, "intermediate_size")
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, rows, tp)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, rows, tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, rows, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -5,12 +5,14 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from rollout_engine.protocol import ModelLoadError
 from rollout_engine.worker.models.decoder import ARCHITECTURES, DecoderForCausalLM
+from rollout_engine.worker.tp_group import TPGroup
 
 # Allocates a parameter's storage: (shape, dtype) -> tensor. The memory manager passes
 # one that carves views out of its weights pool.
@@ -60,12 +62,14 @@ def build_model(
     device: torch.device,
     max_positions: int,
     allocate: Allocator | None = None,
+    tp: TPGroup | None = None,
 ) -> DecoderForCausalLM:
-    """An uninitialised model whose parameters live where `allocate` puts them."""
+    """An uninitialised model (this rank's shard of it) whose parameters live where
+    `allocate` puts them."""
     with torch.device("meta"):
-        model = DecoderForCausalLM(hf_config, max_positions)
+        model = DecoderForCausalLM(hf_config, max_positions, tp)
     if allocate is None:
-        allocate = lambda shape, dt: torch.empty(shape, dtype=dt, device=device)  # noqa: E731
+        allocate = lambda shape, dt: torch.empty(shape, dtype=dt, device=device)
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None:
@@ -78,16 +82,24 @@ def build_model(
     return model.eval()
 
 
-def parameter_nbytes(hf_config, dtype: torch.dtype, alignment: int = 256) -> int:
-    """Bytes the model's parameters need, each rounded up to `alignment`."""
+def parameter_nbytes(
+    hf_config, dtype: torch.dtype, alignment: int = 256, tp: TPGroup | None = None
+) -> int:
+    """Bytes the model's parameters (this rank's shard) need, each rounded up to `alignment`."""
     with torch.device("meta"):
-        model = DecoderForCausalLM(hf_config, max_positions=1)
+        model = DecoderForCausalLM(hf_config, max_positions=1, tp=tp)
     size = torch.tensor([], dtype=dtype).element_size()
     return sum(-(-p.numel() * size // alignment) * alignment for p in model.parameters())
 
 
 def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of every safetensors file in the directory."""
+    for name, lazy in iterate_checkpoint_slices(model_dir):
+        yield name, lazy[:]
+
+
+def iterate_checkpoint_slices(model_dir: str) -> Iterator[tuple[str, Any]]:
+    """(name, lazy safetensors slice) pairs: only the part a rank indexes is read."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
@@ -96,12 +108,14 @@ def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
-def load_weights(model: DecoderForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into the parameters of the same name; all must be present."""
+def load_weights(model: DecoderForCausalLM, weights: Iterator[tuple[str, Any]]) -> None:
+    """Copy checkpoint tensors (or lazy slices) into the parameters of the same name, each
+    rank taking its shard; all must be present with their full checkpoint shapes."""
     params = dict(model.named_parameters())
+    specs = model.shard_specs()
     missing = set(params)
     for name, tensor in weights:
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and name not in params):
@@ -109,13 +123,14 @@ def load_weights(model: DecoderForCausalLM, weights: Iterator[tuple[str, torch.T
         param = params.get(name)
         if param is None:
             raise ModelLoadError(f"checkpoint tensor {name!r} matches no parameter of the model")
-        if tuple(param.shape) != tuple(tensor.shape):
+        shape = tuple(tensor.shape) if hasattr(tensor, "shape") else tuple(tensor.get_shape())
+        if specs[name].full_shape != shape:
             raise ModelLoadError(
-                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"the model expects {tuple(param.shape)}"
+                f"checkpoint tensor {name!r} has shape {shape}, "
+                f"the model expects {specs[name].full_shape}"
             )
         with torch.no_grad():
-            param.copy_(tensor)
+            specs[name].copy_into(param, tensor)
         missing.discard(name)
     if missing:
         raise ModelLoadError(f"checkpoint lacks parameters: {sorted(missing)[:8]}")
