@@ -57,6 +57,7 @@ def test_killed_rank_fails_the_step_naming_it_and_the_engine_refuses_more(llama_
     llm.shutdown()
 
 
+@pytest.mark.slow  # waits out the group timeout
 def test_hung_rank_fails_the_step_after_the_group_timeout(llama_dir):
     llm = start(llama_dir, distributed_timeout_s=3)
     llm.generate(PROMPTS, GREEDY)
@@ -85,6 +86,7 @@ def test_shutdown_and_collection_stop_the_ranks(llama_dir):
     assert wait_until_gone(pid)
 
 
+@pytest.mark.slow  # a fresh interpreter that starts a TP engine
 def test_interpreter_exit_stops_the_ranks(llama_dir):
     script = (
         "from rollout_engine import LLM\n"
