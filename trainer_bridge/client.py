@@ -350,6 +350,24 @@ def is_loopback_address(address: str) -> bool:
     return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
+def per_prompt(
+    prompts: Prompt | Sequence[Prompt],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+) -> tuple[list[Prompt], list[SamplingParams]]:
+    """A prompt or a list of them, and one SamplingParams for all or one per prompt, as two
+    lists of the same length."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if isinstance(sampling_params, Sequence):
+        params = list(sampling_params)
+    else:
+        params = [sampling_params or SamplingParams()] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+    return prompts, params
+
+
 def _prompt_proto(prompt: Prompt) -> pb.Prompt:
     if isinstance(prompt, str):
         return pb.Prompt(text=prompt)

@@ -31,7 +31,7 @@ from rollout_engine.protocol import (
     SleepLevel,
     SleepMode,
 )
-from trainer_bridge.client import EngineClient, Prompt
+from trainer_bridge.client import EngineClient, Prompt, per_prompt
 from trainer_bridge.transports import named_tensors
 
 logger = logging.getLogger(__name__)
@@ -83,15 +83,7 @@ class DisaggregatedClient:
         timeout: float | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order, as `EngineClient.generate` returns."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if isinstance(sampling_params, Sequence):
-            params = list(sampling_params)
-        else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        prompts, params = per_prompt(prompts, sampling_params)
         handles: queue.SimpleQueue = queue.SimpleQueue()
         prefill = threading.Thread(
             target=self._prefill, args=(prompts, params, handles, timeout), daemon=True,

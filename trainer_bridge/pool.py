@@ -39,7 +39,7 @@ from rollout_engine.protocol import (
     SleepMode,
     UnavailableError,
 )
-from trainer_bridge.client import EngineClient, Prompt
+from trainer_bridge.client import EngineClient, Prompt, per_prompt
 from trainer_bridge.transports import named_tensors
 
 logger = logging.getLogger(__name__)
@@ -140,15 +140,7 @@ class EnginePool:
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order, as `EngineClient.generate` returns; an
         engine dying mid-call costs its prompts a second run elsewhere, nothing more."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if isinstance(sampling_params, Sequence):
-            params = list(sampling_params)
-        else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        prompts, params = per_prompt(prompts, sampling_params)
         self._probe_dead_members()
         self._check_weight_versions()
         results: dict[int, RequestOutput] = {}

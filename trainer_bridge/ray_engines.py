@@ -12,12 +12,15 @@ and the server inherits the actor's `CUDA_VISIBLE_DEVICES`. Needs `pip install r
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Mapping
 from typing import Any, Literal, Self
 
 from trainer_bridge.pool import EnginePool
 from trainer_bridge.server_process import EngineServer
+
+logger = logging.getLogger(__name__)
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
@@ -69,8 +72,8 @@ class RayEngines:
         self.pool.close()
         try:
             ray.get([actor.stop.remote() for actor in self.actors], timeout=60)
-        except Exception:  # noqa: BLE001 - dead actors: their servers died with them
-            pass
+        except Exception as exc:  # noqa: BLE001 - dead actors: their servers died with them
+            logger.warning("stopping the engine actors: %s", exc)
         for actor in self.actors:
             ray.kill(actor)
         remove_placement_group(self.placement_group)
