@@ -74,6 +74,7 @@ def test_hung_rank_fails_the_step_after_the_group_timeout(llama_dir):
     assert not process.is_alive()
 
 
+@pytest.mark.slow  # starts and stops three TP engines
 def test_shutdown_and_collection_stop_the_ranks(llama_dir):
     llm = start(llama_dir)
     process = rank_process(llm)
