@@ -156,7 +156,7 @@ def transfer_bandwidth(model_dir: str, long_len: int, seed: int) -> dict[str, fl
     """GB/s of each step of one KV transfer in process (shm), and of a memcpy of its bytes."""
     from rollout_engine import LLM
     from rollout_engine.core.scheduler_output import KVLoad
-    from rollout_engine.worker.kv_transfer import _write_shm, fetch_shm
+    from rollout_engine.worker.kv_transports import fetch_shm, write_shm
 
     rng = random.Random(seed)
     prompt = [rng.randrange(3, 500) for _ in range(long_len)]
@@ -174,7 +174,7 @@ def transfer_bandwidth(model_dir: str, long_len: int, seed: int) -> dict[str, fl
         t0 = time.perf_counter()
         kv = transfer.gather(block_ids, num_tokens)
         t1 = time.perf_counter()
-        name = _write_shm(kv)
+        name = write_shm(kv)
         t2 = time.perf_counter()
         data = fetch_shm(KVTransferParams(do_remote_prefill=True, transfer_id="b",
                                           transport="shm", location=name, num_tokens=1), 0.0)

@@ -16,6 +16,7 @@ from rollout_engine.core.request import Request
 from rollout_engine.core.scheduler import Scheduler
 from rollout_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from rollout_engine.core.spec_decode import SpecDecoder
+from rollout_engine.kv_connector import EngineKVConnector
 from rollout_engine.output_processor import OutputProcessor, RequestGroup
 from rollout_engine.processor import Processor
 from rollout_engine.protocol import (
@@ -25,7 +26,6 @@ from rollout_engine.protocol import (
     EngineError,
     EngineInfo,
     InvalidRequestError,
-    KVTransferError,
     MemoryState,
     RequestOutput,
     SamplingParams,
@@ -36,7 +36,6 @@ from rollout_engine.protocol import (
     check_sleep_mode,
 )
 from rollout_engine.worker.cpu_threads import CpuThreadPolicy
-from rollout_engine.worker.kv_transfer import KVTransfer, kv_layout_key
 from rollout_engine.worker.model_runner import PreparedStep
 from rollout_engine.worker.models.loader import load_hf_config
 from rollout_engine.worker.weight_update import ManifestEntry, NamedTensors, WeightUpdateSession
@@ -97,18 +96,15 @@ class LLMEngine:
             )
         self._landed_outputs: list[RequestOutput] = []
         """Outputs of steps landed outside `step()` (before sleep...), returned by the next."""
-        self.kv_transfer: KVTransfer | None = None
+        self.kv_connector = EngineKVConnector.build(
+            config, self.hf_config, self.worker, self.scheduler
+        )
         """Prefill–decode disaggregation (`kv_role`): saves and loads prompts' KV."""
-        kv_config = config.kv_transfer_config
-        if kv_config.kv_role is not None:
-            from rollout_engine.server.kv_transfer import GrpcFetcher, fetch_cuda_ipc
 
-            self.kv_transfer = KVTransfer(
-                self.worker.model_runner.kv_caches, self.worker.kv_spec,
-                kv_layout_key(self.hf_config, self.worker.kv_spec), kv_config,
-                {"grpc": GrpcFetcher(), "cuda_ipc": fetch_cuda_ipc},
-                self.worker.weights.fingerprint,
-            )
+    @property
+    def kv_transfer(self):
+        """The worker's KV transfer (its store, fetch settings); None without a kv_role."""
+        return None if self.kv_connector is None else self.kv_connector.transfer
 
     @property
     def tokenizer(self):
@@ -134,8 +130,11 @@ class LLMEngine:
             raise InvalidRequestError("sampling_params must be a SamplingParams")
         self.worker.check_ready()
         text, token_ids = self.processor.encode(prompt)
-        if sampling_params.kv_transfer_params is not None:
-            self._check_kv_transfer(sampling_params, token_ids)
+        kv_params = sampling_params.kv_transfer_params
+        if kv_params is not None:
+            if self.kv_connector is None:
+                EngineKVConnector.refuse()
+            self.kv_connector.check_request(kv_params, token_ids)
         compiled = None
         if sampling_params.structured_outputs is not None:
             from rollout_engine.core.structured_output import RequestGrammar  # llguidance
@@ -156,16 +155,6 @@ class LLMEngine:
                 raise
             group.children.append(child)
         self.output_processor.add(group)
-
-    def _check_kv_transfer(self, sampling_params: SamplingParams, token_ids: list[int]) -> None:
-        if self.kv_transfer is None:
-            raise KVTransferError(
-                "this engine takes no part in KV transfers; start it with --kv-role "
-                "prefill, decode or both (LLM(..., kv_role=...))"
-            )
-        self.kv_transfer.check_request(
-            sampling_params.kv_transfer_params, token_ids, self.weight_version
-        )
 
     def _grammars(self) -> GrammarCompiler:
         if self._grammar_compiler is None:
@@ -215,8 +204,8 @@ class LLMEngine:
             if failed:  # compiling their constraint failed: they end as "abort"
                 logger.warning("ending %d requests whose constraint failed to compile", len(failed))
                 self.abort_request(self.output_processor.group_ids_of(failed))
-        if self.kv_transfer is not None:
-            self._land_kv_loads()
+        if self.kv_connector is not None:
+            self.kv_connector.land_loads()
         launched = self._schedule_and_launch()
         if self._in_flight and (
             not launched
@@ -232,9 +221,8 @@ class LLMEngine:
             if compiling:  # nothing else to do: wait for a grammar (bounded, then go on)
                 compiling[0].wait(timeout_s=0.05)
                 return outputs
-            if self.scheduler.kv_connector.num_loading:  # or for a KV transfer
-                self.kv_transfer.wait(timeout_s=0.05)
-                return outputs
+            if self.kv_connector is not None and self.kv_connector.wait_for_loads(0.05):
+                return outputs  # or for a KV transfer
             self._fail_stalled()
         return outputs
 
@@ -244,7 +232,7 @@ class LLMEngine:
             return False
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.kv_loads:
-            self.kv_transfer.start(scheduler_output.kv_loads)
+            self.kv_connector.start(scheduler_output.kv_loads)
         if scheduler_output.is_empty:
             self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput({}))
             return False
@@ -296,8 +284,8 @@ class LLMEngine:
             raise error from exc
         self._in_flight.popleft()
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self.kv_transfer is not None:
-            self._save_finished_prefills()
+        if self.kv_connector is not None:
+            self.kv_connector.save_finished_prefills()
         if self.drafter is not None:
             self.drafter.record(scheduler_output, runner_output)
             drafts = self.drafter.propose(
@@ -305,43 +293,6 @@ class LLMEngine:
             )
             self.scheduler.update_draft_token_ids(drafts)
         return updated
-
-    def _save_finished_prefills(self) -> None:
-        """Prefill role: publish the KV of prompts that finished for a remote decode; their
-        completions carry the handle. A failed save leaves no handle (the decode engine then
-        computes the prompt) and never fails the request."""
-        kv_connector = self.scheduler.kv_connector
-        for request in kv_connector.take_to_save():
-            try:
-                request.kv_transfer_handle = self.kv_transfer.save(
-                    self.scheduler.kv_cache_manager.get_block_ids(request.request_id),
-                    request.prompt_token_ids, self.weight_version,
-                )
-            except Exception as exc:  # noqa: BLE001 - the completion goes out without it
-                logger.warning("saving the KV of %s failed: %s: %s", request.request_id,
-                               type(exc).__name__, exc)
-            finally:
-                kv_connector.saved(request)
-
-    def _land_kv_loads(self) -> None:
-        """Decode role: write the KV of transfers that arrived into their blocks, for requests
-        that still wait for it; a failed or late transfer has its prompt computed here."""
-        for request_id, result in self.kv_transfer.poll():
-            load = self.scheduler.kv_connector.load_of(request_id)
-            if load is None:
-                continue  # aborted meanwhile: dropped (its blocks were freed at the abort)
-            succeeded = False
-            if isinstance(result, BaseException):
-                logger.warning("KV transfer for %s failed (%s: %s); computing its prompt here",
-                               request_id, type(result).__name__, result)
-            else:
-                try:
-                    self.kv_transfer.write(load, result)
-                    succeeded = True
-                except Exception as exc:  # noqa: BLE001 - recompute instead
-                    logger.warning("writing the KV of %s failed (%s); computing its prompt "
-                                   "here", request_id, exc)
-            self.scheduler.finish_kv_load(request_id, succeeded)
 
     def _land_all(self) -> None:
         """Land every step in flight (before memory changes under them); their outputs, and
@@ -374,8 +325,8 @@ class LLMEngine:
         self.worker.shutdown()
         if self._grammar_compiler is not None:
             self._grammar_compiler.shutdown()
-        if self.kv_transfer is not None:
-            self.kv_transfer.close()
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
     def _fail_steps(
         self, scheduler_outputs: list[SchedulerOutput], exc: BaseException
@@ -516,15 +467,8 @@ class LLMEngine:
         }
         if self.drafter is not None:
             stats.update({f"spec_{k}": v for k, v in self.drafter.stats.as_dict().items()})
-        if self.kv_transfer is not None:
-            stats.update({
-                "kv_num_saved": self.kv_transfer.num_saved,
-                "kv_saved_bytes": self.kv_transfer.num_saved_bytes,
-                "kv_loaded_bytes": self.kv_transfer.num_loaded_bytes,
-                "kv_loaded_tokens": self.scheduler.kv_connector.num_loaded_tokens,
-                "kv_load_failures": self.scheduler.kv_connector.num_load_failures,
-                "kv_bytes_per_token": self.kv_transfer.bytes_per_token,
-            })
+        if self.kv_connector is not None:
+            stats.update(self.kv_connector.stats())
         return stats
 
     def info(self) -> EngineInfo:

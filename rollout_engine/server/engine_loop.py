@@ -155,7 +155,7 @@ class EngineLoop:
             if device.type == "cuda":  # launches and syncs go to the engine's GPU (cuda:N)
                 torch.cuda.set_device(device)
             self._run()
-        except BaseException as exc:  # noqa: BLE001 - a bug in the loop itself
+        except BaseException as exc:
             logger.critical("the engine thread crashed; every call now fails", exc_info=exc)
             self._crash = exc
             error = InternalError(f"the engine thread crashed: {type(exc).__name__}: {exc}")

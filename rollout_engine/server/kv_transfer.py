@@ -15,7 +15,8 @@ import torch
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
 from rollout_engine.protocol import DEFAULT_MAX_MESSAGE_BYTES, KVTransferParams
-from rollout_engine.worker.kv_transfer import KVStore, KVTransferFailed, cuda_ipc_descriptor_of
+from rollout_engine.worker.kv_transfer import KVStore
+from rollout_engine.worker.kv_transports import KVTransferFailed, cuda_ipc_descriptor_of
 
 CHUNK_BYTES = 4 * 1024**2
 

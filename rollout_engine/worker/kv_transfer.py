@@ -19,14 +19,12 @@ the scheduler's `kv_to_save` hold already allows.
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import dataclasses
 import hashlib
 import json
 import logging
 import os
-import re
 import struct
 import threading
 import time
@@ -40,19 +38,19 @@ from rollout_engine.config import KVTransferConfig
 from rollout_engine.core.scheduler_output import KVLoad
 from rollout_engine.protocol import KVTransferError, KVTransferParams
 from rollout_engine.worker.kv_cache_spec import KVCacheSpec
+from rollout_engine.worker.kv_transports import (
+    SHM_DIR,
+    KVTransferFailed,
+    cuda_ipc_location,
+    fetch_shm,
+    unlink_all,
+    write_shm,
+)
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
-_SHM_NAME = re.compile(r"^rollout-kv-[A-Za-z0-9_\-]{1,100}$")
-
 Fetch = Callable[[KVTransferParams, float], torch.Tensor]
 """(handle, deadline on time.monotonic()) -> the handle's KV tensor, on any device."""
-
-
-class KVTransferFailed(RuntimeError):
-    """A transfer could not complete: the peer is gone, the handle expired, the data is
-    malformed. The request is recomputed, never failed, because of it."""
 
 
 def prompt_hash(token_ids: Sequence[int]) -> str:
@@ -88,7 +86,7 @@ class KVStore:
         self._lock = threading.Lock()
         self._tensors: dict[str, tuple[torch.Tensor, float]] = {}
         self._files: dict[str, float] = {}  # path -> expiry
-        self._finalizer = weakref.finalize(self, _unlink_all, self._files)
+        self._finalizer = weakref.finalize(self, unlink_all, self._files)
 
     def put_tensor(self, transfer_id: str, tensor: torch.Tensor) -> None:
         with self._lock:
@@ -113,7 +111,7 @@ class KVStore:
             expired = [p for p, e in self._files.items() if e <= now]
             for path in expired:
                 del self._files[path]
-        _unlink_all(dict.fromkeys(expired))
+        unlink_all(dict.fromkeys(expired))
 
     @property
     def num_entries(self) -> int:
@@ -228,7 +226,7 @@ class KVTransfer:
         transport = self.config.kv_transport
         self.store.expire()
         if transport == "shm":
-            location = _write_shm(kv)
+            location = write_shm(kv)
             self.store.put_file(os.path.join(SHM_DIR, location))
         elif transport == "grpc":
             self.store.put_tensor(transfer_id, kv.cpu())
@@ -236,7 +234,7 @@ class KVTransfer:
         else:
             kv = kv.contiguous()
             self.store.put_tensor(transfer_id, kv)  # alive until pulled or expired
-            location = _cuda_ipc_location(kv)
+            location = cuda_ipc_location(kv)
         self.num_saved += 1
         self.num_saved_bytes += kv.numel() * kv.element_size()
         return KVTransferParams(
@@ -347,73 +345,3 @@ class KVTransfer:
     def _notify(self, _future: concurrent.futures.Future) -> None:
         with self._done:
             self._done.notify_all()
-
-
-# ---------------------------------------------------------------------- transports: shm
-
-
-def _write_shm(kv: torch.Tensor) -> str:
-    """Write `kv`'s bytes to a new /dev/shm file; its name."""
-    name = f"rollout-kv-{os.getpid()}-{uuid.uuid4().hex[:16]}"
-    path = os.path.join(SHM_DIR, name)
-    data = kv.detach().cpu().contiguous().view(torch.uint8).numpy()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(memoryview(data))
-    except BaseException:
-        _unlink_all([path])
-        raise
-    return name
-
-
-def fetch_shm(params: KVTransferParams, deadline: float) -> torch.Tensor:
-    """Read and unlink a handle's /dev/shm file: the KV's raw bytes (1-D uint8)."""
-    if not _SHM_NAME.match(params.location):
-        raise KVTransferFailed(f"not a KV shared-memory name: {params.location!r}")
-    path = os.path.join(SHM_DIR, params.location)
-    try:
-        with open(path, "rb") as file:
-            data = bytearray(file.read())
-    except FileNotFoundError:
-        raise KVTransferFailed(
-            f"{path} does not exist: the handle expired or was used, or the prefill engine "
-            "runs on another host (use kv_transport='grpc')"
-        ) from None
-    _unlink_all([path])
-    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-
-
-def _unlink_all(paths) -> None:
-    for path in list(paths):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    if isinstance(paths, dict):
-        paths.clear()
-
-
-# ----------------------------------------------------------------- transports: cuda_ipc
-
-
-def _cuda_ipc_location(kv: torch.Tensor) -> str:
-    """The IPC handle of a CUDA tensor's storage, as JSON (bytes in base64)."""
-    from memory.cuda_ipc import cuda_ipc_descriptor
-
-    descriptor = cuda_ipc_descriptor(kv.view(-1).view(torch.uint8))
-    return json.dumps({
-        k: base64.b64encode(v).decode() if isinstance(v, bytes) else v
-        for k, v in descriptor.items()
-    })
-
-
-def cuda_ipc_descriptor_of(params: KVTransferParams) -> dict:
-    """The CudaIpcHandle fields a handle's `location` carries (bytes decoded)."""
-    try:
-        fields = json.loads(params.location)
-    except json.JSONDecodeError as exc:
-        raise KVTransferFailed(f"not a CUDA IPC handle: {exc}") from None
-    for key in ("handle", "ref_counter_handle", "event_handle"):
-        fields[key] = base64.b64decode(fields.get(key, ""))
-    return fields
