@@ -112,6 +112,7 @@ def test_a_pool_of_three_loses_nothing_when_an_engine_dies_and_takes_it_back(
             server.kill()
 
 
+@pytest.mark.slow  # two servers and two GRPO steps; the pool itself is tested above
 def test_trl_trains_through_a_pool(llama_dir, tmp_path):
     from tests.e2e.test_trl_backend import make_trainer
 

@@ -26,6 +26,7 @@ def free_port() -> int:
 
 @pytest.mark.skipif(shutil.which("accelerate", path=os.path.dirname(sys.executable)) is None,
                     reason="needs accelerate")
+@pytest.mark.slow  # two accelerate-launched trainers and two servers: 20-30 s
 def test_two_trainer_engine_pairs(tmp_path):
     # accelerate's --cpu launcher needs MPI for several processes; --multi_gpu starts them with
     # torchrun, and the script's use_cpu turns that into gloo on CPU.
