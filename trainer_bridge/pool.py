@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Self
 
 from rollout_engine.protocol import (
@@ -69,13 +69,6 @@ class PoolMember:
     @property
     def can_generate(self) -> bool:
         return self.is_alive and not self.needs_weights
-
-
-@dataclass
-class _Assignment:
-    """Prompt indices per member for one round of a `generate` call."""
-
-    by_member: dict[int, list[int]] = field(default_factory=lambda: collections.defaultdict(list))
 
 
 class EnginePool:
@@ -152,7 +145,7 @@ class EnginePool:
                 self._threads.submit(
                     self._generate_on, member_index, prompts, params, indices, timeout
                 ): (member_index, indices)
-                for member_index, indices in assignment.by_member.items()
+                for member_index, indices in assignment.items()
             }
             pending = []
             for future in concurrent.futures.as_completed(futures):
@@ -196,9 +189,9 @@ class EnginePool:
             [prompts[i] for i in indices], [params[i] for i in indices], timeout
         )
 
-    def _assign(self, prompts, params, indices: list[int]) -> _Assignment:
+    def _assign(self, prompts, params, indices: list[int]) -> dict[int, list[int]]:
         """Each prompt to the engine that owns its prefix, else to the least loaded one."""
-        assignment = _Assignment()
+        assignment: dict[int, list[int]] = collections.defaultdict(list)  # member -> prompts
         with self._lock:
             candidates = [i for i, m in enumerate(self.members) if m.can_generate]
             if not candidates:
@@ -219,7 +212,7 @@ class EnginePool:
                 ):
                     owner = least
                 self._remember_prefix(key, owner)
-                assignment.by_member[owner].append(index)
+                assignment[owner].append(index)
                 self.members[owner].num_assigned_samples += params[index].n
         return assignment
 

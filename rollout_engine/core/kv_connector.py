@@ -120,7 +120,3 @@ class KVConnectorScheduler:
         """The request's KV is saved (or saving failed): free its blocks."""
         if self._to_save.pop(request.request_id, None) is not None:
             self.kv_cache_manager.free(request)
-
-    @property
-    def held_for_save(self) -> list[Request]:
-        return list(self._to_save.values())

@@ -111,7 +111,7 @@ class KVStore:
             expired = [p for p, e in self._files.items() if e <= now]
             for path in expired:
                 del self._files[path]
-        unlink_all(dict.fromkeys(expired))
+        unlink_all(expired)
 
     @property
     def num_entries(self) -> int:

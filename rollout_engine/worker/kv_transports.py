@@ -8,6 +8,7 @@ import json
 import os
 import re
 import uuid
+from collections.abc import Iterable
 
 import torch
 
@@ -57,14 +58,13 @@ def fetch_shm(params: KVTransferParams, deadline: float) -> torch.Tensor:
     return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
-def unlink_all(paths) -> None:
+def unlink_all(paths: Iterable[str]) -> None:
+    """Remove these files; ones already gone (pulled, or expired) are fine."""
     for path in list(paths):
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
-    if isinstance(paths, dict):
-        paths.clear()
 
 
 # ----------------------------------------------------------------- transports: cuda_ipc

@@ -392,7 +392,7 @@ def check_ledger_invariants(scheduler: Scheduler, num_in_flight: int = 0) -> Non
             assert request.num_computed_tokens == 0 and not block_ids, request
             assert request.num_output_placeholders == 0, request
         ref_counts.update(block_ids)
-    for request in scheduler.kv_connector.held_for_save:
+    for request in scheduler.kv_connector.take_to_save():
         assert request.is_finished and request.saves_kv, request
         ref_counts.update(kv.get_block_ids(request.request_id))
     for request in scheduler._finished_in_flight.values():
