@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST := $(PY) -m pytest
 
-.PHONY: setup test test-all bench demo proto clean
+.PHONY: setup cpu-kernel test test-all bench demo proto clean
 
 setup: $(STAMP)
 
@@ -18,18 +18,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
+# The compiled CPU attention kernel, built once per machine and source (seconds when cached):
+# built here so that no test or server waits for the compiler.
+cpu-kernel: $(STAMP)
+	$(PY) -m kernels.cpu_extension
+
 # Fast suite (CI): unit + integration + e2e, without `slow` and `gpu` tests.
-test: $(STAMP)
+test: $(STAMP) cpu-kernel
 	$(PYTEST) -q -m "not slow and not gpu" tests
 
 # Everything that runs on this machine, slow tests included.
-test-all: $(STAMP)
+test-all: $(STAMP) cpu-kernel
 	$(PYTEST) -q -m "not gpu" tests
 
-bench: $(STAMP)
+bench: $(STAMP) cpu-kernel
 	$(PY) benchmarks/rollout_throughput.py
 
-demo: $(STAMP)
+demo: $(STAMP) cpu-kernel
 	$(PY) examples/ppo_colocate.py
 
 # Regenerate the gRPC stubs from protos/rollout.proto (a test fails when they are stale).

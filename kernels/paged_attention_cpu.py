@@ -8,6 +8,11 @@ with their log-sum-exps. This is the same math as `paged_attention_ref`, reorder
 Any [num_blocks, bs, Hkv, D] cache works; the engine stores its CPU cache heads-major
 underneath (see `KVCacheSpec.storage_shape`), which makes every gather a single
 contiguous `index_select` into the [Hkv, N, L, D] layout the matmuls want.
+
+Where the compiled kernel (`kernels/cpu_extension.py`) is available, the short queries skip
+the gathers altogether: the kernel reads the blocks in place with the same shared-prefix
+groups (about 6x less attention time at a few hundred decode rows). Prefill chunks keep the
+torch path, whose matmuls already run at the BLAS's speed.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_extension
 from kernels.attention_metadata import AttentionMetadata
 from kernels.paged_attention_ref import (
     MAX_BATCHED_QUERY_LEN,
@@ -44,13 +50,25 @@ def paged_attention_cpu(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    use_kernel: bool | None = None,
 ) -> torch.Tensor:
-    """Same contract as `paged_attention_ref`: query [T, H, D] -> [T, H, D]."""
+    """Same contract as `paged_attention_ref`: query [T, H, D] -> [T, H, D].
+
+    `use_kernel`: the compiled kernel for the short queries (None: wherever it is available,
+    False: the torch path). The choice is made once per step, with its plan.
+    """
     plan = metadata.cache.get("cpu_plan")
     if plan is None:
-        plan = metadata.cache["cpu_plan"] = _build_plan(metadata)
+        if use_kernel is None:
+            use_kernel = _kernel_applies(query, key_cache) and cpu_extension.available()
+        plan = metadata.cache["cpu_plan"] = _build_plan(metadata, use_kernel)
     out = torch.empty_like(query)
-    if plan["own"] is not None:
+    if plan["kernel"] is not None:
+        cpu_extension.paged_attention_short(
+            query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, *plan["kernel"], scale, out,
+        )
+    elif plan["own"] is not None:
         o, lse = _attend(query, key_cache, value_cache, plan["own"], scale)
         rows = plan["own"].rows[plan["own"].valid]
         out[rows] = o.to(out.dtype)
@@ -134,8 +152,17 @@ def _merge(o_a, lse_a, o_b, lse_b) -> torch.Tensor:
     return (o_a * w_a[..., None] + o_b * w_b[..., None]) / (w_a + w_b)[..., None]
 
 
-def _build_plan(metadata: AttentionMetadata) -> dict:
-    """Per step: which requests share prefixes, and the padded index tensors."""
+def _kernel_applies(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    return (
+        query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and query.stride(-1) == 1
+        and key_cache.stride(-1) == 1
+    )
+
+
+def _build_plan(metadata: AttentionMetadata, use_kernel: bool = False) -> dict:
+    """Per step: which requests share prefixes, and the padded index tensors (or, for the
+    compiled kernel, the groups as flat index tensors)."""
     q_lens, s_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
     tables = metadata.block_tables_cpu
     if tables is None:
@@ -145,11 +172,15 @@ def _build_plan(metadata: AttentionMetadata) -> dict:
     batched = [i for i, q in enumerate(q_lens) if q <= MAX_BATCHED_QUERY_LEN]
     single = [(i, starts[i], q_lens[i], s_lens[i]) for i, q in enumerate(q_lens)
               if q > MAX_BATCHED_QUERY_LEN]
-    plan = {"own": None, "shared": None, "own_index_of_shared": None, "single": single}
+    plan = {"own": None, "shared": None, "own_index_of_shared": None, "single": single,
+            "kernel": None}
     if not batched:
         return plan
     bs = metadata.block_size
     groups = _shared_prefix_groups(batched, tables, q_lens, s_lens, bs)
+    if use_kernel:
+        plan["kernel"] = _kernel_groups(batched, groups)
+        return plan
     num_shared = {i: c for members, c in groups for i in members}
     plan["own"] = _own_part(batched, tables, q_lens, s_lens, starts, num_shared, bs)
     if groups:
@@ -187,6 +218,18 @@ def _shared_prefix_groups(batched, tables, q_lens, s_lens, bs) -> list[tuple[lis
         if num_shared >= MIN_SHARED_BLOCKS:
             groups.append((members, num_shared))
     return groups
+
+
+def _kernel_groups(batched, groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(members, group_starts, group_shared) for the compiled kernel: the sharing groups,
+    then every other batched request as a group of one that shares nothing."""
+    grouped = {i for members, _ in groups for i in members}
+    groups = groups + [([i], 0) for i in batched if i not in grouped]
+    members = [i for group, _ in groups for i in group]
+    starts = [0]
+    for group, _ in groups:
+        starts.append(starts[-1] + len(group))
+    return torch.tensor(members), torch.tensor(starts), torch.tensor([c for _, c in groups])
 
 
 def _own_part(batched, tables, q_lens, s_lens, starts, num_shared, bs) -> _Part:

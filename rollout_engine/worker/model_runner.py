@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_extension
 from kernels.dispatch import attention_backend
 from rollout_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from rollout_engine.protocol import StepFailedError
@@ -56,6 +57,8 @@ class ModelRunner:
         self.staging = HostStaging(self.device)
         self.block_tables = BlockTables()
         self.attention_backend = attention_backend(self.device)
+        if self.attention_backend == "cpu":
+            cpu_extension.available()  # build or load the CPU kernel now, not in the first step
         self.decode_graphs = decode_graphs
         """Plain decode steps replay CUDA graphs when set (`ModelConfig.cuda_graphs`)."""
         # Async scheduling: the sampled tokens of the last step run, for placeholders.

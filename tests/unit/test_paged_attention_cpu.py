@@ -1,17 +1,35 @@
-"""The CPU attention path (batched, cascade over shared prefixes) equals the reference."""
+"""The CPU attention paths equal the reference: the torch path (batched, cascade over shared
+prefixes) and the compiled kernel (the same groups, read in place)."""
 
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
 
+from kernels import cpu_extension
 from kernels.attention_metadata import AttentionMetadata
 from kernels.paged_attention_cpu import paged_attention_cpu
 from kernels.paged_attention_ref import paged_attention_ref
+from tests.unit.kernel_cases import ATOL, CASES, make_case, make_named_case, naive_attention
 
 BLOCK_SIZE = 4
+
+
+@pytest.fixture(params=[False, True], ids=["torch", "kernel"])
+def use_kernel(request) -> bool:
+    if request.param:
+        require_kernel()
+    return request.param
+
+
+def require_kernel() -> None:
+    """The compiled kernel must build wherever a C++ compiler is installed."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the engine uses the torch path")
+    assert cpu_extension.available(), "the CPU attention kernel failed to build (see the log)"
 
 
 def make_batch(rng: random.Random, num_groups: int, shared: bool, num_blocks: int = 400):
@@ -35,7 +53,7 @@ def make_batch(rng: random.Random, num_groups: int, shared: bool, num_blocks: in
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("shared", [True, False])
-def test_cpu_path_matches_reference(seed, shared):
+def test_cpu_path_matches_reference(seed, shared, use_kernel):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     metadata = make_batch(rng, num_groups=6, shared=shared)
@@ -44,13 +62,18 @@ def test_cpu_path_matches_reference(seed, shared):
     value_cache = torch.randn(400, BLOCK_SIZE, num_kv_heads, head_dim)
     query = torch.randn(sum(metadata.query_lens_cpu), num_heads, head_dim)
     expected = paged_attention_ref(query, key_cache, value_cache, metadata, 0.3)
-    got = paged_attention_cpu(query, key_cache, value_cache, metadata, 0.3)
+    got = paged_attention_cpu(query, key_cache, value_cache, metadata, 0.3, use_kernel)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     plan = metadata.cache["cpu_plan"]
-    assert (plan["shared"] is not None) == shared, "the shared-prefix path should be exercised"
+    if use_kernel:
+        _, _, group_shared = plan["kernel"]
+        sharing = bool((group_shared > 0).any())
+    else:
+        sharing = plan["shared"] is not None
+    assert sharing == shared, "the shared-prefix path should be exercised"
 
 
-def test_shared_prefix_is_used_for_sibling_decodes():
+def test_shared_prefix_is_used_for_sibling_decodes(use_kernel):
     # 8 decode rows over the same 5 leading blocks: one shared group.
     prefix = [10, 11, 12, 13, 14]
     tables = [prefix + [20 + i, 40 + i] for i in range(8)]
@@ -58,16 +81,21 @@ def test_shared_prefix_is_used_for_sibling_decodes():
     torch.manual_seed(0)
     key_cache, value_cache = torch.randn(2, 64, BLOCK_SIZE, 2, 8).unbind(0)
     query = torch.randn(8, 4, 8)
-    got = paged_attention_cpu(query, key_cache, value_cache, metadata, 0.35)
+    got = paged_attention_cpu(query, key_cache, value_cache, metadata, 0.35, use_kernel)
     expected = paged_attention_ref(query, key_cache, value_cache, metadata, 0.35)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     plan = metadata.cache["cpu_plan"]
+    if use_kernel:  # one group of all 8 rows over the 5 shared blocks
+        members, group_starts, group_shared = plan["kernel"]
+        assert members.tolist() == list(range(8))
+        assert group_starts.tolist() == [0, 8] and group_shared.tolist() == [5]
+        return
     assert plan["shared"] is not None and plan["shared"].tables.shape == (1, 5)
     assert plan["own"].tables.shape == (8, 2)  # each row gathers only its own 2 blocks
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_heads_major_cache_gives_the_same_store_and_attention(seed):
+def test_heads_major_cache_gives_the_same_store_and_attention(seed, use_kernel):
     """The engine's CPU cache is stored [Hkv, num_blocks, bs, D] behind the usual view."""
     from kernels import kv_cache_layout
     from kernels.dispatch import store_kv_cache
@@ -89,7 +117,7 @@ def test_heads_major_cache_gives_the_same_store_and_attention(seed):
     store_kv_cache_ref(key, value, plain[0], plain[1], metadata.slot_mapping)
     torch.testing.assert_close(heads_major, plain, rtol=0, atol=0)
     query = torch.randn(num_tokens, 4, 8)
-    got = paged_attention_cpu(query, heads_major[0], heads_major[1], metadata, 0.3)
+    got = paged_attention_cpu(query, heads_major[0], heads_major[1], metadata, 0.3, use_kernel)
     expected = paged_attention_ref(query, plain[0], plain[1], metadata, 0.3)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     # The reference itself also accepts the strided view.
@@ -97,3 +125,92 @@ def test_heads_major_cache_gives_the_same_store_and_attention(seed):
         paged_attention_ref(query, heads_major[0], heads_major[1], metadata, 0.3), expected,
         atol=1e-6, rtol=1e-6,
     )
+
+
+# ---- the compiled kernel on its own ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("head_dim", [None, 64, 128])
+def test_kernel_matches_naive_attention(name, head_dim):
+    """Short queries through the kernel, prefill chunks through torch: both against float64.
+
+    head_dim 64 and 128 take the kernel's unrolled paths, the cases' own sizes the generic one.
+    """
+    require_kernel()
+    case = make_named_case(name, **({"head_dim": head_dim} if head_dim else {}))
+    out = paged_attention_cpu(case.query, case.key_cache, case.value_cache, case.metadata,
+                              case.scale, use_kernel=True)
+    assert case.metadata.cache["cpu_plan"]["kernel"] is not None
+    err = (out.double() - naive_attention(case)).abs().max().item()
+    assert err <= ATOL[torch.float32], f"{name}: max error {err}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_half_precision(dtype):
+    require_kernel()
+    case = make_named_case("long_decode", head_dim=64).cast(dtype)
+    out = paged_attention_cpu(case.query, case.key_cache, case.value_cache, case.metadata,
+                              case.scale, use_kernel=True)
+    assert out.dtype == dtype
+    err = (out.double() - naive_attention(case)).abs().max().item()
+    assert err <= ATOL[dtype], f"max error {err}"
+
+
+def _kernel_args(case, members, group_starts, group_shared):
+    md = case.metadata
+    return [case.query, case.key_cache, case.value_cache, md.block_tables, md.seq_lens,
+            md.query_start_loc, torch.tensor(members), torch.tensor(group_starts),
+            torch.tensor(group_shared), case.scale]
+
+
+def test_kernel_leaves_rows_of_unlisted_requests_alone():
+    require_kernel()
+    case = make_case([1, 1, 1], [9, 14, 5])
+    out = torch.full_like(case.query, 7.0)
+    cpu_extension.paged_attention_short(*_kernel_args(case, [1], [0, 1], [0]), out)
+    assert (out[0] == 7.0).all() and (out[2] == 7.0).all()
+    expected = naive_attention(case).float()
+    torch.testing.assert_close(out[1], expected[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda a: a.__setitem__(3, torch.tensor([[0, 1, 2, 10_000], [3, 4, 5, 6]], dtype=torch.int32)),
+     "block id out of range"),
+    (lambda a: a.__setitem__(6, torch.tensor([0, 5])), "request index out of range"),
+    (lambda a: a.__setitem__(8, torch.tensor([4])), "shared prefix must end before"),
+    (lambda a: a.__setitem__(3, a[3].long()), "int32"),
+    (lambda a: a.__setitem__(1, a[1].double()), "share a dtype"),
+    (lambda a: a.__setitem__(4, torch.tensor([13, 100], dtype=torch.int32)),
+     "exceeds its block table"),
+])
+def test_kernel_refuses_indices_it_would_read_out_of_bounds(bad, message):
+    """Every index is checked before any is followed: a clear error, never a wild read."""
+    require_kernel()
+    case = make_case([1, 1], [13, 13], block_size=4)
+    args = _kernel_args(case, [0, 1], [0, 2], [0])
+    bad(args)
+    out = torch.zeros_like(case.query)
+    with pytest.raises(RuntimeError, match=message):
+        cpu_extension.paged_attention_short(*args, out)
+
+
+def test_kernel_refuses_a_shared_prefix_the_members_do_not_share():
+    require_kernel()
+    case = make_case([1, 1], [13, 13], block_size=4)  # distinct blocks: nothing shared
+    with pytest.raises(RuntimeError, match="shared block differs"):
+        cpu_extension.paged_attention_short(*_kernel_args(case, [0, 1], [0, 2], [2]),
+                                            torch.zeros_like(case.query))
+
+
+def test_switched_off_kernel_leaves_the_torch_path(monkeypatch):
+    """ROLLOUT_ENGINE_CPU_KERNEL=0 is the way back to the torch path (and what a machine
+    without a compiler gets)."""
+    monkeypatch.setenv("ROLLOUT_ENGINE_CPU_KERNEL", "0")
+    assert not cpu_extension.available()
+    case = make_named_case("long_decode")
+    out = paged_attention_cpu(case.query, case.key_cache, case.value_cache, case.metadata,
+                              case.scale)
+    assert case.metadata.cache["cpu_plan"]["kernel"] is None
+    err = (out.double() - naive_attention(case)).abs().max().item()
+    assert err <= ATOL[torch.float32]

@@ -1,0 +1,94 @@
+"""The compiled CPU attention kernel (`kernels/csrc/paged_attention_cpu.cpp`), built on first use.
+
+It is compiled with the machine's C++ compiler through `torch.utils.cpp_extension` (for this
+CPU: `-O3 -march=native`) into torch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
+`~/.cache/torch_extensions`), once per machine and source version; later processes load the
+cached library in milliseconds. `make setup` builds it ahead of time (`python -m
+kernels.cpu_extension`). Without a compiler, or with `ROLLOUT_ENGINE_CPU_KERNEL=0`, the engine
+keeps the torch attention path: same results, slower decode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_NAME = "rollout_engine_cpu_attention"
+_ENV = "ROLLOUT_ENGINE_CPU_KERNEL"
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def enabled() -> bool:
+    """Whether the compiled kernel should be used (the switch, not whether it built)."""
+    return os.environ.get(_ENV, "1") != "0"
+
+
+def available() -> bool:
+    """Whether the kernel is switched on and built (or loaded: once per process; a failed build
+    logs one warning and leaves the torch path). The switch is read at every call, so setting
+    the variable takes effect at the next step."""
+    if not enabled():
+        return False
+    if "ok" not in _state:
+        with _lock:
+            if "ok" not in _state:
+                _state["ok"] = _load()
+    return _state["ok"]
+
+
+def _load() -> bool:
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name=_NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            # at::parallel_for is OpenMP inlined from the headers: link the libgomp torch loaded.
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure leaves the torch path in place
+        logger.warning("compiled CPU attention unavailable, using the torch path: %s", exc)
+        return False
+    return hasattr(torch.ops.rollout_cpu, "paged_attention_short")
+
+
+def paged_attention_short(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    members: torch.Tensor,
+    group_starts: torch.Tensor,
+    group_shared: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Attention of the requests in `members` (each with a few query tokens) into `out`, in place.
+
+    Group g is `members[group_starts[g]:group_starts[g + 1]]`; its first `group_shared[g]`
+    blocks are the same in every member and end before any member's first query token. Same
+    contract as `paged_attention_ref` for those requests; see the C++ source.
+    """
+    torch.ops.rollout_cpu.paged_attention_short(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, members,
+        group_starts, group_shared, float(scale), out,
+    )
+
+
+if __name__ == "__main__":
+    # `make setup` runs this so that the first engine does not wait for the compiler.
+    logging.basicConfig(level=logging.INFO)
+    print("compiled CPU attention:", "ready" if available() else "unavailable (torch path)")

@@ -1,0 +1,303 @@
+// Paged attention for short queries (decode rows, draft verification) on the CPU, read in place.
+//
+// The torch path gathers each request's KV blocks into a padded copy before two batched
+// matmuls; at a few hundred decode rows that copy, the padding and the masking cost as much as
+// the model's dense layers. This kernel walks the block tables and reads keys and values where
+// they lie, with an online softmax (one pass, no score matrix).
+//
+// Work items are (group, KV head). A group is a set of requests whose first `shared` blocks are
+// the same (the n samples of one prompt): every query vector of every member attends to those
+// blocks together, each key loaded once for all of them, and then each member goes on over its
+// own blocks with the same running softmax state. That is the cascade of the torch path without
+// its merge step. The prefix is wholly before every member's first query position (the caller's
+// grouping guarantees it), so it needs no causal mask; the own blocks are masked per token.
+// A request that shares nothing is a group of one with `shared` = 0.
+//
+// Contract: the same as `paged_attention_ref` for the listed requests; rows of other requests in
+// `out` are left untouched. The cache is the logical [num_blocks, block_size, num_kv_heads,
+// head_dim] view with any strides but a unit stride on head_dim (heads-major and block-major
+// storage both work). Math in float32 whatever the dtype.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// kDim > 0: head_dim known at compile time (unrolled, vectorised); 0: `dim` at run time.
+template <int kDim, typename scalar_t>
+inline float dot(const float* q, const scalar_t* k, int64_t dim) {
+  const int64_t n = kDim > 0 ? kDim : dim;
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t d = 0; d < n; ++d) acc += q[d] * static_cast<float>(k[d]);
+  return acc;
+}
+
+template <int kDim, typename scalar_t>
+inline void axpy(float* acc, float p, const scalar_t* v, int64_t dim) {
+  const int64_t n = kDim > 0 ? kDim : dim;
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * static_cast<float>(v[d]);
+}
+
+// Running softmax state of the query vectors of one work item.
+struct State {
+  std::vector<float> q, acc, scores, m, l;
+  std::vector<int64_t> last_key;  // causal limit: the token's own position
+
+  void resize(int64_t num_vec, int64_t dim, int64_t block_size) {
+    if (static_cast<int64_t>(m.size()) >= num_vec) return;
+    q.resize(num_vec * dim);
+    acc.resize(num_vec * dim);
+    scores.resize(block_size);
+    m.resize(num_vec);
+    l.resize(num_vec);
+    last_key.resize(num_vec);
+  }
+};
+
+// acc += sum_j p[j] * v[j] over n value rows. With head_dim known at compile time the
+// accumulator lives in registers for the whole block instead of a store per row.
+template <int kDim, typename scalar_t>
+inline void accumulate(float* __restrict__ acc, const float* __restrict__ p,
+                       const scalar_t* __restrict__ v, int64_t row_stride, int64_t n,
+                       int64_t dim) {
+  if constexpr (kDim > 0) {
+    float r[kDim];
+    for (int64_t d = 0; d < kDim; ++d) r[d] = acc[d];
+    for (int64_t j = 0; j < n; ++j) {
+      const scalar_t* row = v + j * row_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < kDim; ++d) r[d] += p[j] * static_cast<float>(row[d]);
+    }
+    for (int64_t d = 0; d < kDim; ++d) acc[d] = r[d];
+  } else {
+    for (int64_t j = 0; j < n; ++j) axpy<0>(acc, p[j], v + j * row_stride, dim);
+  }
+}
+
+// Vectors [v0, v1) of `st` attend to keys first..first+n-1 of one block.
+template <int kDim, typename scalar_t>
+inline void attend_block(State& st, int64_t v0, int64_t v1, const scalar_t* kblock,
+                         const scalar_t* vblock, int64_t kp, int64_t vp, int64_t first, int64_t n,
+                         int64_t dim, bool masked) {
+  float* __restrict__ s = st.scores.data();  // this vector's scores, then its weights
+  for (int64_t i = v0; i < v1; ++i) {
+    // Keys past the token's own position are in its future (only in its last own block).
+    const int64_t visible = masked ? std::min(n, st.last_key[i] - first + 1) : n;
+    if (visible <= 0) continue;
+    const float* __restrict__ q = &st.q[i * dim];
+    for (int64_t j = 0; j < visible; ++j) s[j] = dot<kDim>(q, kblock + j * kp, dim);
+    float block_max = s[0];
+    for (int64_t j = 1; j < visible; ++j) block_max = std::max(block_max, s[j]);
+    const float new_m = std::max(st.m[i], block_max);
+    float* __restrict__ a = &st.acc[i * dim];
+    if (new_m != st.m[i]) {
+      const float correction = std::exp(st.m[i] - new_m);  // 0 on the first block
+      st.l[i] *= correction;
+      for (int64_t d = 0; d < (kDim > 0 ? kDim : dim); ++d) a[d] *= correction;
+      st.m[i] = new_m;
+    }
+    float mass = 0.f;
+    for (int64_t j = 0; j < visible; ++j) {
+      s[j] = std::exp(s[j] - new_m);
+      mass += s[j];
+    }
+    st.l[i] += mass;
+    accumulate<kDim>(a, s, vblock, vp, visible, dim);
+  }
+}
+
+template <int kDim, typename scalar_t>
+void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+            const at::Tensor& query_start_loc, const at::Tensor& members,
+            const at::Tensor& group_starts, const at::Tensor& group_shared, double scale,
+            at::Tensor& out) {
+  const int64_t num_heads = query.size(1), dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t heads_per_kv = num_heads / num_kv_heads;
+  const int64_t num_groups = group_shared.size(0), num_items = num_groups * num_kv_heads;
+
+  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int64_t q_tok = query.stride(0), q_head = query.stride(1);
+  const int64_t o_tok = out.stride(0), o_head = out.stride(1);
+  const scalar_t* k_ptr = key_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = value_cache.data_ptr<scalar_t>();
+  const int64_t kb = key_cache.stride(0), kp = key_cache.stride(1), kh = key_cache.stride(2);
+  const int64_t vb = value_cache.stride(0), vp = value_cache.stride(1), vh = value_cache.stride(2);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int64_t* mem = members.data_ptr<int64_t>();
+  const int64_t* gstart = group_starts.data_ptr<int64_t>();
+  const int64_t* gshared = group_shared.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+
+  // Items in KV-head-major order: a thread's consecutive items read the same head's blocks.
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    State st;
+    std::vector<int64_t> vec_start;  // first vector of each member, plus the end
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item % num_groups, h = item / num_groups;
+      const int64_t* mine = mem + gstart[g];
+      const int64_t num_members = gstart[g + 1] - gstart[g];
+      vec_start.assign(1, 0);
+      for (int64_t k = 0; k < num_members; ++k) {
+        const int64_t r = mine[k];
+        vec_start.push_back(vec_start.back() + (starts[r + 1] - starts[r]) * heads_per_kv);
+      }
+      const int64_t num_vec = vec_start.back();
+      st.resize(num_vec, dim, block_size);
+      // Vector i of a member: token t = i / heads_per_kv, head h * heads_per_kv + i % heads_per_kv.
+      for (int64_t k = 0; k < num_members; ++k) {
+        const int64_t r = mine[k], q_start = starts[r], q_len = starts[r + 1] - starts[r];
+        for (int64_t i = vec_start[k]; i < vec_start[k + 1]; ++i) {
+          const int64_t t = (i - vec_start[k]) / heads_per_kv;
+          const int64_t head = h * heads_per_kv + (i - vec_start[k]) % heads_per_kv;
+          const scalar_t* src = q_ptr + (q_start + t) * q_tok + head * q_head;
+          for (int64_t d = 0; d < dim; ++d) st.q[i * dim + d] = static_cast<float>(src[d]) * fscale;
+          st.last_key[i] = lens[r] - q_len + t;
+          st.m[i] = -FLT_MAX;
+          st.l[i] = 0.f;
+        }
+      }
+      std::fill(st.acc.begin(), st.acc.begin() + num_vec * dim, 0.f);
+      // The shared prefix: every member's vectors at once, no mask.
+      const int32_t* first_table = tables + mine[0] * table_stride;
+      for (int64_t b = 0; b < gshared[g]; ++b) {
+        attend_block<kDim>(st, 0, num_vec, k_ptr + first_table[b] * kb + h * kh,
+                           v_ptr + first_table[b] * vb + h * vh, kp, vp, b * block_size,
+                           block_size, dim, false);
+      }
+      // Then each member's own blocks, causal.
+      for (int64_t k = 0; k < num_members; ++k) {
+        const int64_t r = mine[k], s_len = lens[r];
+        const int32_t* table = tables + r * table_stride;
+        const int64_t num_blocks = (s_len + block_size - 1) / block_size;
+        for (int64_t b = gshared[g]; b < num_blocks; ++b) {
+          const int64_t first = b * block_size;
+          attend_block<kDim>(st, vec_start[k], vec_start[k + 1], k_ptr + table[b] * kb + h * kh,
+                             v_ptr + table[b] * vb + h * vh, kp, vp, first,
+                             std::min(block_size, s_len - first), dim, true);
+        }
+      }
+      for (int64_t k = 0; k < num_members; ++k) {
+        const int64_t r = mine[k];
+        for (int64_t i = vec_start[k]; i < vec_start[k + 1]; ++i) {
+          const int64_t t = (i - vec_start[k]) / heads_per_kv;
+          const int64_t head = h * heads_per_kv + (i - vec_start[k]) % heads_per_kv;
+          scalar_t* dst = out_ptr + (starts[r] + t) * o_tok + head * o_head;
+          const float inv = 1.f / st.l[i];  // l >= 1: every token sees at least its own key
+          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(st.acc[i * dim + d] * inv);
+        }
+      }
+    }
+  });
+}
+
+// Every index the kernel will follow, checked before any is read.
+void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                  const at::Tensor& members, const at::Tensor& group_starts,
+                  const at::Tensor& group_shared, const at::Tensor& out) {
+  TORCH_CHECK(query.device().is_cpu(), "paged_attention_short runs on the CPU");
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4,
+              "query [T, H, D] and caches [num_blocks, block_size, Hkv, D] expected");
+  TORCH_CHECK(out.sizes() == query.sizes(), "out must have the query's shape");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 &&
+                  value_cache.stride(3) == 1,
+              "head_dim must be contiguous");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype &&
+                  out.scalar_type() == dtype,
+              "query, caches and out must share a dtype");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ in shape");
+  TORCH_CHECK(query.size(2) == key_cache.size(3), "head_dim differs between query and cache");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of Hkv");
+  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(),
+                "int32 contiguous block_tables, seq_lens and query_start_loc expected");
+  }
+  for (const at::Tensor* t : {&members, &group_starts, &group_shared}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1,
+                "int64 contiguous members, group_starts and group_shared expected");
+  }
+  const int64_t num_reqs = seq_lens.size(0), block_size = key_cache.size(1);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_reqs &&
+                  query_start_loc.size(0) == num_reqs + 1,
+              "block_tables [N, max_blocks], seq_lens [N] and query_start_loc [N + 1] expected");
+  TORCH_CHECK(group_starts.size(0) == group_shared.size(0) + 1, "group_starts [G + 1] expected");
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* mem = members.data_ptr<int64_t>();
+  const int64_t* gstart = group_starts.data_ptr<int64_t>();
+  const int64_t* gshared = group_shared.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_reqs] <= query.size(0), "query_start_loc out of range");
+  TORCH_CHECK(gstart[0] == 0 && gstart[group_shared.size(0)] == members.size(0),
+              "group_starts must cover members");
+  for (int64_t g = 0; g < group_shared.size(0); ++g) {
+    TORCH_CHECK(gstart[g + 1] > gstart[g], "a group has no members");
+    for (int64_t k = gstart[g]; k < gstart[g + 1]; ++k) {
+      const int64_t r = mem[k];
+      TORCH_CHECK(r >= 0 && r < num_reqs, "request index out of range");
+      const int64_t q_len = starts[r + 1] - starts[r], s_len = lens[r];
+      TORCH_CHECK(q_len >= 1 && q_len <= s_len, "a request's query length is not in [1, seq_len]");
+      TORCH_CHECK(starts[r] >= 0 && starts[r + 1] <= query.size(0), "query rows out of range");
+      const int64_t num_blocks = (s_len + block_size - 1) / block_size;
+      TORCH_CHECK(num_blocks <= block_tables.size(1), "a KV length exceeds its block table");
+      TORCH_CHECK(gshared[g] >= 0 && gshared[g] * block_size <= s_len - q_len,
+                  "a shared prefix must end before the member's first query token");
+      const int32_t* table = block_tables.data_ptr<int32_t>() + r * block_tables.stride(0);
+      const int32_t* first = block_tables.data_ptr<int32_t>() + mem[gstart[g]] * block_tables.stride(0);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        TORCH_CHECK(table[b] >= 0 && table[b] < key_cache.size(0), "block id out of range");
+        TORCH_CHECK(b >= gshared[g] || table[b] == first[b], "a shared block differs in a member");
+      }
+    }
+  }
+}
+
+void paged_attention_short(const at::Tensor& query, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                           const at::Tensor& members, const at::Tensor& group_starts,
+                           const at::Tensor& group_shared, double scale, at::Tensor out) {
+  check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, members,
+               group_starts, group_shared, out);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_short", [&] {
+    switch (query.size(2)) {
+      case 64:
+        return attend<64, scalar_t>(query, key_cache, value_cache, block_tables, seq_lens,
+                                    query_start_loc, members, group_starts, group_shared, scale, out);
+      case 128:
+        return attend<128, scalar_t>(query, key_cache, value_cache, block_tables, seq_lens,
+                                     query_start_loc, members, group_starts, group_shared, scale, out);
+      default:
+        return attend<0, scalar_t>(query, key_cache, value_cache, block_tables, seq_lens,
+                                   query_start_loc, members, group_starts, group_shared, scale, out);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(rollout_cpu, m) {
+  m.def(
+      "paged_attention_short(Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor members, "
+      "Tensor group_starts, Tensor group_shared, float scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) { m.impl("paged_attention_short", &paged_attention_short); }
