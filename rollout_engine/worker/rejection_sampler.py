@@ -30,17 +30,39 @@ class SampleResult:
     num_accepted_drafts: int
 
 
+# Tokens per block of the two-level inverse CDF below.
+CDF_BLOCK = 256
+
+
 def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Sample each row of unnormalised `probs` [R, V] with one uniform per row [R].
 
     The token is the first index whose cumulative mass exceeds u * total; zero-mass tokens
     never are (their cumulative mass equals their predecessor's). One random number per
     row, so a request's stream does not depend on the vocabulary size or the batch.
+
+    In two levels: the cumulative mass (float64) of blocks of CDF_BLOCK tokens finds the
+    block, then the cumulative mass inside that block alone finds the token. A full-vocabulary
+    float64 cumsum (a float64 copy of every probability, then a scan that does not vectorise)
+    took 17 ms a step at 256 rows x 8192 on the CPU; this takes about 1 ms.
     """
-    cdf = probs.double().cumsum(-1)  # [R, V]
-    target = (uniforms.double() * cdf[:, -1]).unsqueeze(1)  # [R, 1]
-    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return token_ids.clamp_(max=probs.shape[1] - 1)
+    num_rows, vocab = probs.shape
+    pad = -vocab % CDF_BLOCK
+    blocked = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
+    blocked = blocked.reshape(num_rows, -1, CDF_BLOCK)  # [R, nb, B]
+    # Summed in the probabilities' dtype: sum(dtype=float64) would first copy them all.
+    block_mass = blocked.sum(-1).double()  # [R, nb]
+    block_cdf = block_mass.cumsum(-1)
+    target = (uniforms.double() * block_cdf[:, -1]).unsqueeze(1)  # [R, 1]
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[1] - 1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    inside = blocked.gather(1, block.unsqueeze(-1).expand(-1, -1, CDF_BLOCK)).squeeze(1)
+    offset = torch.searchsorted(inside.double().cumsum(-1) + before, target, right=True)
+    # Rounding between the two levels may put the target past the block's own cumsum: take
+    # its last token with mass then (the block has some: its cumulative mass passed target).
+    last_with_mass = CDF_BLOCK - 1 - (inside > 0).flip(-1).int().argmax(-1, keepdim=True)
+    token_ids = (block * CDF_BLOCK + torch.minimum(offset, last_with_mass)).squeeze(1)
+    return token_ids.clamp_(max=vocab - 1)
 
 
 def _num_leading_true(flags: list[bool]) -> int:
