@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 # The compiled CPU attention kernel, built once per machine and source (seconds when cached):
 # built here so that no test or server waits for the compiler.
 cpu-kernel: $(STAMP)
-	$(PY) -m kernels.cpu_extension
+	$(PY) -c 'from kernels import cpu_extension; cpu_extension.main()'
 
 # Fast suite (CI): unit + integration + e2e, without `slow` and `gpu` tests.
 test: $(STAMP) cpu-kernel

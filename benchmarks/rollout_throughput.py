@@ -249,7 +249,7 @@ def run_rounds(systems: dict, repeats: int) -> dict[str, tuple[float, int]]:
         for name, run in systems.items():
             try:
                 elapsed, tokens = run()
-            except Exception as exc:  # report, don't hide: the table says it failed
+            except Exception as exc:  # noqa: BLE001 - report, do not hide: the table says it failed
                 print(f"{name} failed: {type(exc).__name__}: {exc}")
                 continue
             print(f"round {round_index + 1}/{repeats}: {name}: {elapsed:.1f} s", flush=True)

@@ -2,10 +2,11 @@
 
 It is compiled with the machine's C++ compiler through `torch.utils.cpp_extension` (for this
 CPU: `-O3 -march=native`) into torch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
-`~/.cache/torch_extensions`), once per machine and source version; later processes load the
-cached library in milliseconds. `make setup` builds it ahead of time (`python -m
-kernels.cpu_extension`). Without a compiler, or with `ROLLOUT_ENGINE_CPU_KERNEL=0`, the engine
-keeps the torch attention path: same results, slower decode.
+`~/.cache/torch_extensions`), once per machine and source version (about 20 s); later
+processes load the cached library in a fraction of a second. `make cpu-kernel` (a step of
+`make test` and `make demo`) builds it ahead of time. Without a compiler, or with
+`ROLLOUT_ENGINE_CPU_KERNEL=0`, the engine keeps the torch attention path: same results,
+slower decode.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def paged_attention_short(
     )
 
 
-if __name__ == "__main__":
-    # `make setup` runs this so that the first engine does not wait for the compiler.
+def main() -> None:
+    """`make cpu-kernel`: build ahead of the tests and servers, and say whether it worked."""
     logging.basicConfig(level=logging.INFO)
     print("compiled CPU attention:", "ready" if available() else "unavailable (torch path)")
