@@ -90,12 +90,16 @@ def run_engine(
     torch_attention: bool = False,
 ) -> tuple[float, int]:
     """One fresh engine (nothing cached from an earlier run) generating the whole workload."""
+    switch = os.environ.get("ROLLOUT_ENGINE_CPU_KERNEL")
     if torch_attention:  # the CPU attention without the compiled kernel
         os.environ["ROLLOUT_ENGINE_CPU_KERNEL"] = "0"
     try:
         return _run_engine(model_dir, prompts, args, cuda_graphs, async_scheduling)
     finally:
-        os.environ.pop("ROLLOUT_ENGINE_CPU_KERNEL", None)
+        if switch is None:
+            os.environ.pop("ROLLOUT_ENGINE_CPU_KERNEL", None)
+        else:
+            os.environ["ROLLOUT_ENGINE_CPU_KERNEL"] = switch
 
 
 def _run_engine(model_dir, prompts, args, cuda_graphs, async_scheduling) -> tuple[float, int]:
