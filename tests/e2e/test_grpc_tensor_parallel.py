@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 from safetensors.torch import load_file
 
 from rollout_engine import LLM
@@ -22,6 +23,9 @@ def child_pids(pid: int) -> list[int]:
         return [int(p) for p in f.read().split()]
 
 
+# Slow (about 30 s: two rank processes): the fast suite covers TP in one process
+# (tests/integration/test_tensor_parallel.py), and the fresh-clone suite stays under 10 minutes.
+@pytest.mark.slow
 def test_served_tp2_generates_updates_weights_and_stops_its_ranks(tmp_path_factory, llama_dir):
     server = start_server(
         tmp_path_factory, llama_dir, "--tensor-parallel-size", "2", "--cpu-threads", "1"
