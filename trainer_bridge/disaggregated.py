@@ -32,7 +32,7 @@ from rollout_engine.protocol import (
     SleepMode,
 )
 from trainer_bridge.client import EngineClient, Prompt, per_prompt
-from trainer_bridge.transports import named_tensors
+from trainer_bridge.transports import for_several_readers
 
 logger = logging.getLogger(__name__)
 
@@ -164,12 +164,9 @@ class DisaggregatedClient:
         self.decode.reset_prefix_cache()
 
     def update_weights(self, weights, **options: Any) -> int:
-        """Push the same weights to both engines; their common new weight version. Without
-        a manifest the weights are read twice, so a generator is materialised first."""
-        if options.get("manifest") is None:
-            weights = named_tensors(weights)
-        elif not isinstance(weights, list):
-            raise TypeError("with a manifest, pass the weights as a list: both engines read them")
+        """Push the same weights to both engines; their common new weight version. Both
+        engines read the weights, so a generator is read into a list first."""
+        weights = for_several_readers(weights, options.get("manifest"))
         prefill_version = self.prefill.update_weights(weights, **options)
         decode_version = self.decode.update_weights(weights, **options)
         if prefill_version != decode_version:

@@ -40,7 +40,7 @@ from rollout_engine.protocol import (
     UnavailableError,
 )
 from trainer_bridge.client import EngineClient, Prompt, per_prompt
-from trainer_bridge.transports import named_tensors
+from trainer_bridge.transports import for_several_readers
 
 logger = logging.getLogger(__name__)
 
@@ -326,10 +326,7 @@ class EnginePool:
         one first). Engines that rejoined without the pool's weights get them too, and
         generate again.
         """
-        if options.get("manifest") is None:
-            weights = named_tensors(weights)
-        elif not isinstance(weights, list):
-            weights = list(weights)
+        weights = for_several_readers(weights, options.get("manifest"))
         versions = self._broadcast("update_weights", weights, **options)
         with self._lock:
             self._has_pushed_weights = True

@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 
 from memory.cuda_ipc import cuda_ipc_descriptor
+from memory.shm import SHM_DIR, unlink_all
 from protos import rollout_pb2 as pb
 from rollout_engine.protocol import WeightUpdateError
 
@@ -34,7 +35,6 @@ TRANSPORTS: dict[str, int] = {
     "shm": pb.TRANSPORT_SHM,
     "cuda_ipc": pb.TRANSPORT_CUDA_IPC,
 }
-SHM_DIR = "/dev/shm"
 DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024
 # Bytes of one stream chunk at most: far below the default 64 MiB message limit.
 DEFAULT_STREAM_CHUNK_BYTES = 8 * 1024 * 1024
@@ -58,6 +58,15 @@ def named_tensors(weights: torch.nn.Module | Mapping[str, torch.Tensor] | Iterab
             raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
         pairs.append((str(name), tensor.detach()))
     return pairs
+
+
+def for_several_readers(weights, manifest) -> list:
+    """`weights` in a form that several engines can each read in turn (a pool, a prefill and a
+    decode engine): (name, tensor) pairs without a manifest; with one, its items held in a
+    list (a generator is read here, once)."""
+    if manifest is None:
+        return named_tensors(weights)
+    return weights if isinstance(weights, list) else list(weights)
 
 
 @dataclass(frozen=True)
@@ -349,7 +358,7 @@ class SharedSlots:
         self._mmaps: list[mmap.mmap] = []
         self._paths: list[str] = []
         # Unlink the /dev/shm files even if close() is never called (at exit, at the latest).
-        self._finalizer = weakref.finalize(self, _unlink_all, self._paths)
+        self._finalizer = weakref.finalize(self, unlink_all, self._paths)
         for _ in range(num_slots):
             if kind == "shm":
                 self._add_shm_slot()
@@ -392,15 +401,6 @@ class SharedSlots:
 
     def _add_cuda_slot(self, device: torch.device) -> None:
         self.buffers.append(torch.empty(self.slot_bytes, dtype=torch.uint8, device=device))
-
-
-def _unlink_all(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    paths.clear()
 
 
 def shared_requests(

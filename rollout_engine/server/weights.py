@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
+from memory.shm import SHM_DIR
 from protos import rollout_pb2 as pb
 from rollout_engine.protocol import InvalidRequestError, WeightUpdateError
 from rollout_engine.server.chunk_decoding import RawChunk, stream_chunk_buffer
@@ -22,7 +23,6 @@ from rollout_engine.server.status import check_decoded
 # Views of received bytes are only read (copied into the parameters), never written.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
-SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 
 Manifest = list[tuple[str, tuple[int, ...], torch.dtype]]

@@ -34,16 +34,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from memory.shm import SHM_DIR, unlink_all
 from rollout_engine.config import KVTransferConfig
 from rollout_engine.core.scheduler_output import KVLoad
 from rollout_engine.protocol import KVTransferError, KVTransferParams
 from rollout_engine.worker.kv_cache_spec import KVCacheSpec
 from rollout_engine.worker.kv_transports import (
-    SHM_DIR,
     KVTransferFailed,
     cuda_ipc_location,
     fetch_shm,
-    unlink_all,
     write_shm,
 )
 

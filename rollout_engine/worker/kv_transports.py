@@ -8,13 +8,12 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Iterable
 
 import torch
 
+from memory.shm import SHM_DIR, unlink_all
 from rollout_engine.protocol import KVTransferParams
 
-SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"^rollout-kv-[A-Za-z0-9_\-]{1,100}$")
 
 
@@ -56,15 +55,6 @@ def fetch_shm(params: KVTransferParams, deadline: float) -> torch.Tensor:
         ) from None
     unlink_all([path])
     return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-
-
-def unlink_all(paths: Iterable[str]) -> None:
-    """Remove these files; ones already gone (pulled, or expired) are fine."""
-    for path in list(paths):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 # ----------------------------------------------------------------- transports: cuda_ipc
