@@ -214,3 +214,16 @@ def test_switched_off_kernel_leaves_the_torch_path(monkeypatch):
     assert case.metadata.cache["cpu_plan"]["kernel"] is None
     err = (out.double() - naive_attention(case)).abs().max().item()
     assert err <= ATOL[torch.float32]
+
+
+def test_a_failed_build_leaves_the_torch_path_with_a_warning(monkeypatch, caplog):
+    """A machine whose compiler fails (or is missing) keeps serving on the torch path."""
+    from torch.utils import cpp_extension
+
+    def broken_build(**_kwargs):
+        raise RuntimeError("c++: command not found")
+
+    monkeypatch.setattr(cpp_extension, "load", broken_build)
+    with caplog.at_level("WARNING", logger="kernels.cpu_extension"):
+        assert cpu_extension._load() is False
+    assert "using the torch path" in caplog.text and "command not found" in caplog.text
