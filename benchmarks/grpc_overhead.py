@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import multiprocessing
 import os
-import random
 import re
 import subprocess
 import sys
@@ -35,6 +34,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from workload import add_grpo_workload_args, add_model_args, make_prompts
+
 from rollout_engine.tiny_model import build_tiny_model
 from trainer_bridge import EngineClient, SamplingParams
 from trainer_bridge.transports import DEFAULT_STREAM_CHUNK_BYTES
@@ -45,31 +46,15 @@ SINK_METHOD = "/bench.Sink/Push"
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="Hugging Face model dir (default: build a preset)")
-    parser.add_argument("--arch", default="qwen2")
-    parser.add_argument("--size", default="small", help="size preset of the built model")
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--n", type=int, default=8, help="samples per prompt (GRPO group size)")
-    parser.add_argument("--min-prompt-len", type=int, default=64)
-    parser.add_argument("--max-prompt-len", type=int, default=256)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    add_model_args(parser)
+    add_grpo_workload_args(parser, max_tokens=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-bytes", type=int, default=1024 * MiB)
     parser.add_argument("--num-rollout-repeats", type=int, default=2, help="rollouts per path")
     parser.add_argument("--main-thread-baseline", action="store_true",
                         help="also time LLM.generate called from the main thread")
     parser.add_argument("--num-repeats", type=int, default=10, help="weight updates per path")
-    parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
-
-
-def make_prompts(args, vocab_size: int) -> list[list[int]]:
-    rng = random.Random(args.seed)
-    return [
-        [rng.randrange(3, vocab_size) for _ in range(rng.randint(args.min_prompt_len,
-                                                                 args.max_prompt_len))]
-        for _ in range(args.num_prompts)
-    ]
 
 
 def engine_options(args) -> dict:

@@ -37,6 +37,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from workload import add_model_args
+
 from rollout_engine.tiny_model import build_tiny_model
 from trainer_bridge import EngineClient, KVTransferParams, SamplingParams
 from trainer_bridge.server_process import EngineServer
@@ -46,9 +48,7 @@ MiB = 1024**2
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="Hugging Face model dir (default: build a preset)")
-    parser.add_argument("--arch", default="qwen2")
-    parser.add_argument("--size", default="small", help="size preset of the built model")
+    add_model_args(parser)
     parser.add_argument("--num-decodes", type=int, default=8, help="ongoing decodes")
     parser.add_argument("--decode-tokens", type=int, default=256,
                         help="tokens each decodes (they must outlast the long prompts)")

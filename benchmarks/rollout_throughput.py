@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -38,23 +37,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from workload import add_grpo_workload_args, add_model_args, make_prompts
+
 from rollout_engine import LLM, SamplingParams  # noqa: E402
 from rollout_engine.tiny_model import build_tiny_model  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="Hugging Face model dir (default: build the 'small' preset)")
-    parser.add_argument("--arch", default="qwen2", help="architecture of the built model")
-    parser.add_argument("--size", default="small", help="size preset of the built model")
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--n", type=int, default=8, help="samples per prompt (GRPO group size)")
-    parser.add_argument("--min-prompt-len", type=int, default=64)
-    parser.add_argument("--max-prompt-len", type=int, default=256)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    add_model_args(parser)
+    add_grpo_workload_args(parser, max_tokens=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip", nargs="*", default=[], choices=["generate", "generate_batch"])
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int,
                         help="OpenMP threads of every system (default: each its own policy)")
     parser.add_argument("--contention", type=int, default=0,
@@ -75,14 +69,6 @@ def parse_args() -> argparse.Namespace:
     if args.dtype is None:
         args.dtype = "float32" if args.device == "cpu" else "bfloat16"
     return args
-
-
-def make_prompts(args, vocab_size: int) -> list[list[int]]:
-    rng = random.Random(args.seed)
-    return [
-        [rng.randrange(3, vocab_size) for _ in range(rng.randint(args.min_prompt_len, args.max_prompt_len))]
-        for _ in range(args.num_prompts)
-    ]
 
 
 def run_engine(

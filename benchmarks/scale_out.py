@@ -17,7 +17,6 @@ GPU's scaling.
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import tempfile
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from workload import add_grpo_workload_args, add_model_args, make_prompts
 
 from rollout_engine.tiny_model import build_tiny_model
 from trainer_bridge import EngineClient, SamplingParams
@@ -36,24 +37,10 @@ MiB = 1024**2
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="Hugging Face model dir (default: build a preset)")
-    parser.add_argument("--arch", default="qwen2")
-    parser.add_argument("--size", default="small", help="size preset of the built model")
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--n", type=int, default=8, help="samples per prompt (GRPO group)")
-    parser.add_argument("--min-prompt-len", type=int, default=64)
-    parser.add_argument("--max-prompt-len", type=int, default=256)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    add_model_args(parser)
+    add_grpo_workload_args(parser, max_tokens=64)
     parser.add_argument("--skip", nargs="*", default=[], choices=["dp", "tp"])
-    parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
-
-
-def make_prompts(args) -> list[list[int]]:
-    rng = random.Random(args.seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randint(args.min_prompt_len,
-                                                               args.max_prompt_len))]
-            for _ in range(args.num_prompts)]
 
 
 def timed(fn) -> tuple[float, list]:
@@ -122,7 +109,7 @@ def main() -> None:
     args = parse_args()
     model_dir = args.model or str(build_tiny_model(
         Path(tempfile.mkdtemp()) / "model", args.arch, args.size, seed=args.seed))
-    prompts = make_prompts(args)
+    prompts = make_prompts(args, vocab_size=500)
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens,
                             ignore_eos=True, seed=1)
     print(f"model {model_dir}: {args.num_prompts} prompts x n={args.n}, "

@@ -1,0 +1,34 @@
+"""What several benchmarks share: the model options, the GRPO-shaped workload's options and its
+random prompts. Scripts import it as a sibling (`from workload import ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+
+def add_model_args(parser: argparse.ArgumentParser, arch: str = "qwen2") -> None:
+    """--model (a Hugging Face directory) or a model built from --arch and --size."""
+    parser.add_argument("--model", help="Hugging Face model dir (default: build --arch/--size)")
+    parser.add_argument("--arch", default=arch, help="architecture of the built model")
+    parser.add_argument("--size", default="small", help="size preset of the built model")
+
+
+def add_grpo_workload_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    """A GRPO batch: prompts of random lengths, n samples each, a fixed number of new tokens."""
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt (GRPO group size)")
+    parser.add_argument("--min-prompt-len", type=int, default=64)
+    parser.add_argument("--max-prompt-len", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
+    """`args.num_prompts` prompts of random token ids (never the special ids 0-2)."""
+    rng = random.Random(args.seed)
+    return [
+        [rng.randrange(3, vocab_size)
+         for _ in range(rng.randint(args.min_prompt_len, args.max_prompt_len))]
+        for _ in range(args.num_prompts)
+    ]
