@@ -11,6 +11,7 @@ slower decode.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -21,6 +22,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+HEADERS = [Path(__file__).parent / "csrc" / "cpu_vec.h"]
 _NAME = "rollout_engine_cpu_attention"
 _ENV = "ROLLOUT_ENGINE_CPU_KERNEL"
 _lock = threading.Lock()
@@ -52,7 +54,9 @@ def _load() -> bool:
         cpp_extension.load(
             name=_NAME,
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            # torch keys its cache on the sources and flags: the headers' digest is a flag, so an
+            # edited header gets a build of its own.
+            extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DROLLOUT_HEADERS={_digest()}"],
             # at::parallel_for is OpenMP inlined from the headers: link the libgomp torch loaded.
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
@@ -62,6 +66,10 @@ def _load() -> bool:
         logger.warning("compiled CPU attention unavailable, using the torch path: %s", exc)
         return False
     return hasattr(torch.ops.rollout_cpu, "paged_attention_short")
+
+
+def _digest() -> str:
+    return hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
 
 
 def paged_attention_short(

@@ -170,7 +170,7 @@ def _build_plan(metadata: AttentionMetadata, use_kernel: bool = False) -> dict:
                   zip(metadata.block_tables.tolist(), s_lens)]
     starts = metadata.query_start_loc.tolist()
     batched = [i for i, q in enumerate(q_lens) if q <= MAX_BATCHED_QUERY_LEN]
-    single = [(i, starts[i], q_lens[i], s_lens[i]) for i, q in enumerate(q_lens)
+    single = [(i, starts[i], q, s_lens[i]) for i, q in enumerate(q_lens)
               if q > MAX_BATCHED_QUERY_LEN]
     plan = {"own": None, "shared": None, "own_index_of_shared": None, "single": single,
             "kernel": None}

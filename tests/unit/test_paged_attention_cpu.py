@@ -106,7 +106,8 @@ def test_heads_major_cache_gives_the_same_store_and_attention(seed, use_kernel):
     metadata = make_batch(rng, num_groups=5, shared=True)
     layout = kv_cache_layout(torch.device("cpu"))
     assert layout.heads_major
-    dims = dict(num_layers=1, num_blocks=400, block_size=BLOCK_SIZE, num_kv_heads=2, head_dim=8)
+    dims = {"num_layers": 1, "num_blocks": 400, "block_size": BLOCK_SIZE, "num_kv_heads": 2,
+            "head_dim": 8}
     storage = torch.zeros(layout.storage_shape(**dims))
     heads_major = layout.logical_view(storage)[0]  # [2, N, bs, Hkv, D]
     plain = torch.zeros(kv_cache_layout(torch.device("cuda")).storage_shape(**dims))[0]
@@ -155,6 +156,37 @@ def test_kernel_half_precision(dtype):
     assert out.dtype == dtype
     err = (out.double() - naive_attention(case)).abs().max().item()
     assert err <= ATOL[dtype], f"max error {err}"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("peaked", [False, True], ids=["spread", "peaked"])
+def test_kernel_on_sibling_samples(head_dim, block_size, peaked):
+    """GRPO-shaped batches through the kernel's eight-lane path (head_dim 64 and 128 where the
+    CPU has AVX2): groups sharing their prompt's blocks, each sample's own blocks after them with
+    a partial last one, a few multi-token (draft verification) rows. Peaked: scores hundreds
+    apart, so most weights underflow and the softmax is nearly one-hot."""
+    require_kernel()
+    rng = random.Random(head_dim + block_size)
+    free = list(range(300))
+    rng.shuffle(free)
+    query_lens, seq_lens, tables = [], [], []
+    for prompt_len in (37, 50, 33):
+        prefix = [free.pop() for _ in range(-(-prompt_len // block_size))]
+        for _ in range(4):
+            seq_len = prompt_len + rng.randint(1, 40)
+            tables.append(prefix + [free.pop() for _ in range(-(-seq_len // block_size) - len(prefix))])
+            seq_lens.append(seq_len)
+            query_lens.append(rng.choice([1, 1, 1, 3]))
+    metadata = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
+    torch.manual_seed(head_dim)
+    key_cache, value_cache = torch.randn(2, 300, block_size, 2, head_dim).unbind(0)
+    query = torch.randn(sum(query_lens), 4, head_dim) * (30.0 if peaked else 1.0)
+    got = paged_attention_cpu(query, key_cache, value_cache, metadata, head_dim**-0.5, True)
+    expected = paged_attention_ref(query, key_cache, value_cache, metadata, head_dim**-0.5)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    _, _, group_shared = metadata.cache["cpu_plan"]["kernel"]
+    assert (group_shared > 0).sum() == 3, "each prompt's samples should form a group"
 
 
 def _kernel_args(case, members, group_starts, group_shared):

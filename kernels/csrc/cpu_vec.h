@@ -1,0 +1,89 @@
+// Eight-lane float helpers for the CPU attention kernel (AVX2 + FMA), used where the compiler
+// targets them (`-march=native` on a CPU that has them); elsewhere the kernel keeps its
+// portable loops. Loads widen bfloat16 and float16 to float32; all math is float32.
+
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define ROLLOUT_CPU_VEC 1
+
+#include <ATen/ATen.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace cpu_vec {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the top half of a float32
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline __m256 load8(const at::Half* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float wide[8];
+  for (int i = 0; i < 8; ++i) wide[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(wide);
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// All bits set in lanes 0..n-1, clear in the others (for n >= 8, all set).
+inline __m256 lanes_below(int64_t n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i limit = _mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8)));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit, lane));
+}
+
+// The lane sums of four vectors: {hsum(a), hsum(b), hsum(c), hsum(d)}.
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  // hadd(hadd(a, b), hadd(c, d)) holds each vector's sum of lanes 0-3 in the low half and of
+  // lanes 4-7 in the high half, in the order a, b, c, d.
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// exp(x), relative error below 2e-7 (Cephes' polynomial on [-ln2/2, ln2/2], then 2^n by the
+// exponent bits). Inputs are clamped to [-87.3, 88]: exp of anything smaller is the smallest
+// normal float (about 1.2e-38) instead of 0, which no softmax here can tell apart.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n ln2, with ln2 split in two so that n * ln2_hi is exact.
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 r2 = _mm256_mul_ps(r, r);
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.f));
+  const __m256i pow2n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+
+}  // namespace cpu_vec
+
+#endif
