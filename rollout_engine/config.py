@@ -34,8 +34,8 @@ class ModelConfig:
     seed: int = 0
     """Seed of the engine's random stream (requests without their own seed use it)."""
     cpu_threads: int | None = None
-    """CPU only: OpenMP threads of the engine's forward thread (its own setting: the caller's
-    `torch.get_num_threads()` is untouched). None: the usable cores that other processes
+    """CPU only: OpenMP threads of the engine's forward (set for each step, and the caller's
+    `torch.get_num_threads()` put back after it). None: the usable cores that other processes
     leave free, re-checked every half second (see `worker/cpu_threads.py`): threads that
     share a core with another busy process make every parallel region wait."""
     cuda_graphs: bool = False

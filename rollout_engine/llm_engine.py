@@ -82,13 +82,16 @@ class LLMEngine:
         # async scheduling (step N+1 is prepared while step N computes).
         self._in_flight: deque[tuple[SchedulerOutput, concurrent.futures.Future]] = deque()
         self._max_in_flight = 2 if self.async_scheduling else 1
-        # The device work runs on a thread of its own under async scheduling, and always on
-        # the CPU, where that thread's OpenMP thread count is the engine's (`cpu_threads`).
+        # The device work runs on a thread of its own under async scheduling; the synchronous
+        # loop runs it on the caller's thread. On the CPU, with the engine's OpenMP thread
+        # count (`cpu_threads`), restored afterwards: a second thread of our own would give
+        # OpenMP two pools of workers on the same cores, and with more workers than cores
+        # libgomp's workers sleep at every barrier instead of spinning (measured: 20% slower).
         self._forward_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.cpu_threads: CpuThreadPolicy | None = None
         if self.worker.device.type == "cpu":
             self.cpu_threads = CpuThreadPolicy(_cpu_threads(config))
-        if self.async_scheduling or self.cpu_threads is not None:
+        if self.async_scheduling:
             # The initializer must not hold `self`: the thread would keep the engine alive.
             self._forward_thread = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="engine-forward", initializer=_init_forward_thread,
@@ -244,9 +247,9 @@ class LLMEngine:
             grammars = self.scheduler.grammars_of(scheduler_output)
             if grammars is not None:
                 step.token_bitmask = concurrent.futures.Future()
-            if self._forward_thread is None:  # synchronous on an accelerator: run it here
+            if self._forward_thread is None:  # the synchronous loop: run it here
                 self._compute_bitmask(step, grammars)
-                future = _run_here(self.worker.run_model, step)
+                future = _run_here(self._run_model, step)
             else:
                 future = self._forward_thread.submit(self._run_model, step)
                 self._compute_bitmask(step, grammars)  # while the forward runs
@@ -307,15 +310,24 @@ class LLMEngine:
             self._landed_outputs += self.output_processor.outputs(updated, self.weight_version)
 
     def _run_model(self, prepared: PreparedStep) -> ModelRunnerOutput:
-        """On the forward thread: the device half of a step, on the CPU with the thread
-        count the CPU policy gives (a per-thread setting: the caller's is untouched)."""
-        if self.cpu_threads is not None:
-            import torch
+        """The device half of a step; on the CPU with the thread count the CPU policy gives.
 
-            num_threads = self.cpu_threads.threads()
-            if torch.get_num_threads() != num_threads:
-                torch.set_num_threads(num_threads)
-        return self.worker.run_model(prepared)
+        The count is a per-thread setting: on the caller's thread (the synchronous loop) its
+        own count is put back afterwards.
+        """
+        if self.cpu_threads is None:
+            return self.worker.run_model(prepared)
+        import torch
+
+        previous, num_threads = torch.get_num_threads(), self.cpu_threads.threads()
+        if previous == num_threads:
+            return self.worker.run_model(prepared)
+        torch.set_num_threads(num_threads)
+        try:
+            return self.worker.run_model(prepared)
+        finally:
+            if self._forward_thread is None:
+                torch.set_num_threads(previous)
 
     def shutdown(self) -> None:
         """Stop the engine's threads (forward, grammar compiling) and the processes of the

@@ -10,6 +10,7 @@ prompt at a different moment in each loop).
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 from rollout_engine import LLM, SamplingParams
 from tests.integration.hf_oracle import hf_greedy_batch
 
-SHARED = dict(block_size=4, max_num_batched_tokens=32, max_model_len=128)
+SHARED = {"block_size": 4, "max_num_batched_tokens": 32, "max_model_len": 128}
 # Name -> (engine options, sampling parameters).
 SCENARIOS = {
     "greedy": ({}, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)),
@@ -148,14 +149,23 @@ def test_sleep_wake_and_update_with_a_step_in_flight(llama_dir):
         llm.engine.shutdown()
 
 
-def test_the_engine_sets_threads_on_its_forward_thread_only(llama_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_the_forward_runs_with_the_engines_thread_count_and_the_callers_is_kept(
+    llama_dir, async_scheduling
+):
+    """`cpu_threads` applies to the forward only. The synchronous loop runs it on the caller's
+    thread (a thread of the engine's own would give OpenMP a second pool of workers on the same
+    cores, see LLMEngine) and puts the caller's count back; async scheduling runs it on the
+    engine's forward thread."""
     before = torch.get_num_threads()
-    llm = LLM(str(llama_dir), cpu_threads=1)
+    llm = LLM(str(llama_dir), cpu_threads=1, async_scheduling=async_scheduling)
     seen = []
     llm.engine.worker.model_runner.model.register_forward_pre_hook(
-        lambda *_: seen.append(torch.get_num_threads())
+        lambda *_: seen.append((torch.get_num_threads(), threading.current_thread()))
     )
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3))
     llm.engine.shutdown()
-    assert seen and set(seen) == {1}
+    assert seen and {count for count, _ in seen} == {1}
+    on_caller = {thread for _, thread in seen} == {threading.current_thread()}
+    assert on_caller != async_scheduling
     assert torch.get_num_threads() == before
