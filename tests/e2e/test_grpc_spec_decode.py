@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.e2e.server_process import start_server
 from tests.integration.test_spec_decode import GREEDY, PROMPTS
 from trainer_bridge import EngineClient
 from trainer_bridge import SamplingParams as WireSamplingParams
 
 
+# A server of its own (about 23 s): in `make test-all`, so the fresh-clone suite stays under 10
+# minutes. The fast suite covers speculation in process (tests/integration/test_spec_decode.py).
+@pytest.mark.slow
 def test_served_speculation_gives_the_same_tokens_and_reports_stats(tmp_path_factory, llama_dir):
     from rollout_engine import LLM
 
