@@ -10,6 +10,7 @@ oversubscribe them and this holds trivially.
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -25,7 +26,7 @@ MAX_TOKENS = 12
 
 def _threads(pid: int) -> dict[str, tuple[float, int]]:
     """Per thread of `pid`: CPU seconds and voluntary context switches so far."""
-    threads = {}
+    threads, ticks = {}, os.sysconf("SC_CLK_TCK")
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
@@ -34,7 +35,7 @@ def _threads(pid: int) -> dict[str, tuple[float, int]]:
             continue
         switches = next(int(line.split()[1]) for line in status.splitlines()
                         if line.startswith("voluntary_ctxt_switches"))
-        threads[task.name] = ((int(fields[11]) + int(fields[12])) / 100, switches)
+        threads[task.name] = ((int(fields[11]) + int(fields[12])) / ticks, switches)
     return threads
 
 
