@@ -1,19 +1,21 @@
 """Async scheduling against the synchronous loop: GRPO rollouts, same engine, same run.
 
-Under async scheduling the host schedules step N+1 and builds its inputs while step N
-computes on the engine's forward thread. The table reports, per batch size:
+Under async scheduling step N+1 is scheduled and its inputs built while step N computes (on
+a GPU the forward runs on the engine's forward thread; on the CPU on the caller's, and the
+scheduling on the engine's host thread). The table reports, per batch size:
 
 - tokens/s of each loop, and the speed-up;
-- device time per step: what the forward thread spends in forward + sampling;
+- device time per step: forward + sampling (`Worker.run_model`);
 - host time per step: the rest of the wall time. Synchronous, it is all exposed; async, what
-  remains exposed is what the overlap did not hide ("hidden" = 1 - async / sync).
+  remains exposed is what the overlap did not hide ("hidden" = 1 - async / sync);
+- bound: the speed-up a perfect overlap would give, the sync step over its device time.
 
     python benchmarks/async_scheduling.py                       # small model, batches 1 16 64
     python benchmarks/async_scheduling.py --size tiny --max-tokens 64
 
 On the CPU the forward and the host share the GIL: only time spent inside torch ops (which
 release it) overlaps. `--switch-interval` shortens the interpreter's GIL hand-off so the
-forward thread gets the GIL back quickly after each op.
+forward gets the GIL back quickly after each op.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_engine import LLM, SamplingParams  # noqa: E402
-from rollout_engine.tiny_model import build_tiny_model  # noqa: E402
+from rollout_engine import LLM, SamplingParams
+from rollout_engine.tiny_model import build_tiny_model
 
 
 def parse_args() -> argparse.Namespace:
@@ -86,7 +88,7 @@ def rollout(model_dir: str, prompts, params, args, async_scheduling: bool) -> Me
         worker, measurement = llm.engine.worker, Measurement()
         run_model = worker.run_model
 
-        def timed_run_model(prepared):  # on the forward thread
+        def timed_run_model(prepared):
             start = time.perf_counter()
             try:
                 return run_model(prepared)
@@ -137,15 +139,17 @@ def main() -> None:
     print(f"\n{args.size} {args.arch}, {args.max_tokens} new tokens, T=1, "
           f"{args.repeats} alternating runs per loop, cpu_threads={args.cpu_threads or 'auto'}, "
           f"switch interval {sys.getswitchinterval() * 1e3:g} ms\n")
-    print("| batch | loop | tokens/s | device ms/step | host ms/step | host hidden | speed-up |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("| batch | loop | tokens/s | device ms/step | host ms/step | host hidden | speed-up "
+          "| bound |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for batch, sync, async_ in rows:
         hidden = 1 - async_.host_ms_per_step / sync.host_ms_per_step
         speedup = async_.tokens_per_s / sync.tokens_per_s
+        bound = 1 + sync.host_ms_per_step / sync.device_ms_per_step
         print(f"| {batch} | sync | {sync.tokens_per_s:.0f} | {sync.device_ms_per_step:.2f} | "
-              f"{sync.host_ms_per_step:.2f} | | 1.00x |")
+              f"{sync.host_ms_per_step:.2f} | | 1.00x | |")
         print(f"| {batch} | async | {async_.tokens_per_s:.0f} | {async_.device_ms_per_step:.2f} | "
-              f"{async_.host_ms_per_step:.2f} | {hidden:.0%} | {speedup:.2f}x |")
+              f"{async_.host_ms_per_step:.2f} | {hidden:.0%} | {speedup:.2f}x | {bound:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -82,17 +82,26 @@ class LLMEngine:
         # async scheduling (step N+1 is prepared while step N computes).
         self._in_flight: deque[tuple[SchedulerOutput, concurrent.futures.Future]] = deque()
         self._max_in_flight = 2 if self.async_scheduling else 1
-        # The device work runs on a thread of its own under async scheduling; the synchronous
-        # loop runs it on the caller's thread. On the CPU, with the engine's OpenMP thread
-        # count (`cpu_threads`), restored afterwards: a second thread of our own would give
-        # OpenMP two pools of workers on the same cores, and with more workers than cores
-        # libgomp's workers sleep at every barrier instead of spinning (measured: 20% slower).
+        # Which thread runs what. The synchronous loop runs everything on the caller's thread.
+        # Under async scheduling on a GPU, the forward runs on an `engine-forward` thread (it
+        # waits for the device with the GIL released) while the caller schedules the next
+        # step. On the CPU the roles swap: the forward stays on the caller's thread and the
+        # next step is scheduled on an `engine-host` thread that runs no parallel work. A
+        # forward on a second thread of ours would give OpenMP two pools of workers on the
+        # same cores, and with more workers than cores libgomp's workers sleep at every
+        # barrier instead of spinning (measured: 20% slower). On the CPU the forward runs
+        # with the engine's OpenMP thread count (`cpu_threads`); the caller's is put back.
         self._forward_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._host_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.cpu_threads: CpuThreadPolicy | None = None
         if self.worker.device.type == "cpu":
             self.cpu_threads = CpuThreadPolicy(_cpu_threads(config))
-        if self.async_scheduling:
-            # The initializer must not hold `self`: the thread would keep the engine alive.
+        # The initializers must not hold `self`: the thread would keep the engine alive.
+        if self.async_scheduling and self.cpu_threads is not None:
+            self._host_thread = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="engine-host", initializer=_init_host_thread
+            )
+        elif self.async_scheduling:
             self._forward_thread = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="engine-forward", initializer=_init_forward_thread,
                 initargs=(self.worker.device,),
@@ -209,7 +218,10 @@ class LLMEngine:
                 self.abort_request(self.output_processor.group_ids_of(failed))
         if self.kv_connector is not None:
             self.kv_connector.land_loads()
-        launched = self._schedule_and_launch()
+        if self._host_thread is not None:
+            launched = self._schedule_beside_forward()
+        else:
+            launched = self._schedule_and_launch()
         if self._in_flight and (
             not launched
             or len(self._in_flight) == self._max_in_flight
@@ -247,14 +259,34 @@ class LLMEngine:
             grammars = self.scheduler.grammars_of(scheduler_output)
             if grammars is not None:
                 step.token_bitmask = concurrent.futures.Future()
-            if self._forward_thread is None:  # the synchronous loop: run it here
-                self._compute_bitmask(step, grammars)
-                future = _run_here(self._run_model, step)
-            else:
+            if self._forward_thread is not None:
                 future = self._forward_thread.submit(self._run_model, step)
                 self._compute_bitmask(step, grammars)  # while the forward runs
+            elif self._host_thread is not None:  # CPU async: the next `step()` runs it
+                self._compute_bitmask(step, grammars)
+                future = _DeferredForward(self._run_model, step)
+            else:  # the synchronous loop: run it here
+                self._compute_bitmask(step, grammars)
+                future = _run_here(self._run_model, step)
         self._in_flight.append((scheduler_output, future))
         return True
+
+    def _schedule_beside_forward(self) -> bool:
+        """Async scheduling on the CPU: step N's forward runs on this thread while the host
+        thread schedules step N+1 and builds its inputs; both are done when this returns.
+
+        Only the host thread touches the scheduler meanwhile; the forward reads the inputs
+        prepared a step earlier. The first step of a run has nothing to overlap with.
+        """
+        forward = self._in_flight[0][1] if self._in_flight else None
+        if not isinstance(forward, _DeferredForward) or forward.done():
+            return self._schedule_and_launch()
+        host = self._host_thread.submit(self._schedule_and_launch)
+        try:
+            forward.run()  # a failure lands with the step
+        finally:
+            concurrent.futures.wait([host])  # Ctrl-C here: the scheduler is ours again first
+        return host.result()
 
     def _compute_bitmask(self, prepared: PreparedStep, grammars) -> None:
         """Structured outputs: the step's token bitmask, for its sampling to wait on."""
@@ -273,12 +305,16 @@ class LLMEngine:
         """
         scheduler_output, future = self._in_flight[0]
         try:
+            if isinstance(future, _DeferredForward):
+                future.run()  # not run yet (landed by sleep...): run it now
             runner_output = future.result()
         except BaseException as exc:
             concurrent.futures.wait([future])  # Ctrl-C while waiting: let the step finish
             failed = [self._in_flight.popleft()[0]]
             while self._in_flight:  # steps launched after it must not outlive its failure
                 later_output, later_future = self._in_flight.popleft()
+                if isinstance(later_future, _DeferredForward):
+                    later_future.discard()  # it would read the failed step's tokens
                 concurrent.futures.wait([later_future])
                 failed.append(later_output)
             error = self._fail_steps(failed, exc)
@@ -312,8 +348,8 @@ class LLMEngine:
     def _run_model(self, prepared: PreparedStep) -> ModelRunnerOutput:
         """The device half of a step; on the CPU with the thread count the CPU policy gives.
 
-        The count is a per-thread setting: on the caller's thread (the synchronous loop) its
-        own count is put back afterwards.
+        On the CPU it runs on the caller's thread (see `__init__`), whose own count, a
+        per-thread setting, is put back afterwards.
         """
         if self.cpu_threads is None:
             return self.worker.run_model(prepared)
@@ -326,14 +362,14 @@ class LLMEngine:
         try:
             return self.worker.run_model(prepared)
         finally:
-            if self._forward_thread is None:
-                torch.set_num_threads(previous)
+            torch.set_num_threads(previous)
 
     def shutdown(self) -> None:
-        """Stop the engine's threads (forward, grammar compiling) and the processes of the
+        """Stop the engine's threads (forward or host, grammar compiling) and the processes of the
         other tensor-parallel ranks; steps in flight are waited for."""
-        if self._forward_thread is not None:
-            self._forward_thread.shutdown(wait=True)
+        for thread in (self._forward_thread, self._host_thread):
+            if thread is not None:
+                thread.shutdown(wait=True)
         self.worker.shutdown()
         if self._grammar_compiler is not None:
             self._grammar_compiler.shutdown()
@@ -541,6 +577,39 @@ def _run_here(fn, *args) -> concurrent.futures.Future:
     except BaseException as exc:  # noqa: BLE001 - whoever lands the future gets it
         future.set_exception(exc)
     return future
+
+
+class _DeferredForward(concurrent.futures.Future):
+    """A step's forward that runs when the engine's loop says so, on the thread that says so
+    (async scheduling on the CPU: the caller's); cancelled if a step before it fails."""
+
+    def __init__(self, run_model, prepared: PreparedStep) -> None:
+        super().__init__()
+        self._run_model, self._prepared = run_model, prepared
+
+    def run(self) -> None:
+        """Run the forward unless it already ran or was cancelled; a failure is its result."""
+        if self.done() or self.running() or not self.set_running_or_notify_cancel():
+            return
+        run_model, prepared = self._run_model, self._prepared
+        self._run_model = self._prepared = None  # a landed step holds no inputs
+        try:
+            self.set_result(run_model(prepared))
+        except BaseException as exc:  # noqa: BLE001 - whoever lands the future gets it
+            self.set_exception(exc)
+
+    def discard(self) -> None:
+        """Never run it; it counts as done (cancelled) from now on."""
+        if self.cancel():
+            self.set_running_or_notify_cancel()  # `concurrent.futures.wait` sees it done
+        self._run_model = self._prepared = None
+
+
+def _init_host_thread() -> None:
+    """The CPU async loop's scheduling thread: no OpenMP pool of its own (see LLMEngine)."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def _init_forward_thread(device) -> None:

@@ -7,9 +7,8 @@ busy process, where one thread slows down by 6%). So the default policy watches 
 CPU the rest of the machine uses, from `/proc/stat` minus our own share from
 `/proc/self/stat`, and runs the forward on the cores nobody else is using (at least one).
 
-The setting is per thread (OpenMP's is) and is applied around each forward: on the
-caller's thread in the synchronous loop (its own count is put back after the step), on the
-engine's forward thread under async scheduling.
+The setting is per thread (OpenMP's is) and is applied around each forward, which on the
+CPU runs on the caller's thread in both loops; the caller's own count is put back after it.
 """
 
 from __future__ import annotations

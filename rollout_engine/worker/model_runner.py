@@ -102,9 +102,10 @@ class ModelRunner:
     def run(self, prepared: PreparedStep) -> ModelRunnerOutput:
         """Device work of a step: forward, logits, sampling; then its one host sync.
 
-        Under async scheduling this runs on the engine's forward thread while the next step
-        is prepared. A step with placeholders reads the tokens of the step prepared just
-        before it, which must have run and succeeded.
+        Under async scheduling this runs while the next step is prepared on another thread
+        (on a GPU, this one is the engine's forward thread; on the CPU, the caller's). A step
+        with placeholders reads the tokens of the step prepared just before it, which must
+        have run and succeeded.
         """
         step = prepared.inputs
         tokens_of_previous_step = self._last_sampled if self._num_run == prepared.index - 1 else None

@@ -1,7 +1,8 @@
 """Async scheduling gives the tokens the synchronous loop gives, on a real model.
 
-Step N+1 is scheduled and its inputs built while step N computes on the forward thread; its
-placeholder inputs are filled on the device from step N's sampled tokens. A seeded request's
+Step N+1 is scheduled and its inputs built while step N computes (on the CPU the forward
+runs on the caller's thread, the scheduling on the engine's host thread); its placeholder
+inputs are filled on the device from step N's sampled tokens. A seeded request's
 tokens depend on its seed, prompt and parameters only, so every scenario must match the
 synchronous engine token for token (logprobs within float noise: a preemption recomputes a
 prompt at a different moment in each loop).
@@ -150,22 +151,35 @@ def test_sleep_wake_and_update_with_a_step_in_flight(llama_dir):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_the_forward_runs_with_the_engines_thread_count_and_the_callers_is_kept(
+def test_the_forward_runs_on_the_callers_thread_with_the_engines_thread_count(
     llama_dir, async_scheduling
 ):
-    """`cpu_threads` applies to the forward only. The synchronous loop runs it on the caller's
-    thread (a thread of the engine's own would give OpenMP a second pool of workers on the same
-    cores, see LLMEngine) and puts the caller's count back; async scheduling runs it on the
-    engine's forward thread."""
+    """On the CPU the forward runs on the caller's thread in both loops, with `cpu_threads`,
+    and the caller's own count is put back: a thread of the engine's own would give OpenMP a
+    second pool of workers on the same cores (see LLMEngine). Async scheduling schedules the
+    next step on its `engine-host` thread meanwhile, with one OpenMP thread."""
     before = torch.get_num_threads()
     llm = LLM(str(llama_dir), cpu_threads=1, async_scheduling=async_scheduling)
-    seen = []
+    seen, scheduled_on = [], []
     llm.engine.worker.model_runner.model.register_forward_pre_hook(
         lambda *_: seen.append((torch.get_num_threads(), threading.current_thread()))
     )
-    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3))
+    schedule = llm.engine.scheduler.schedule
+
+    def recording_schedule():
+        scheduled_on.append((threading.current_thread().name, torch.get_num_threads()))
+        return schedule()
+
+    llm.engine.scheduler.schedule = recording_schedule
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True))
     llm.engine.shutdown()
     assert seen and {count for count, _ in seen} == {1}
-    on_caller = {thread for _, thread in seen} == {threading.current_thread()}
-    assert on_caller != async_scheduling
+    assert {thread for _, thread in seen} == {threading.current_thread()}
     assert torch.get_num_threads() == before
+    caller = threading.current_thread().name
+    if async_scheduling:  # the first step has no forward to overlap: the caller schedules it
+        assert scheduled_on[0][0] == caller
+        assert {name.split("_")[0] for name, _ in scheduled_on[1:]} == {"engine-host"}
+        assert {count for _, count in scheduled_on[1:]} == {1}
+    else:
+        assert {name for name, _ in scheduled_on} == {caller}
