@@ -25,7 +25,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -51,8 +50,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-bytes", type=int, default=1024 * MiB)
     parser.add_argument("--num-rollout-repeats", type=int, default=2, help="rollouts per path")
-    parser.add_argument("--main-thread-baseline", action="store_true",
-                        help="also time LLM.generate called from the main thread")
     parser.add_argument("--num-repeats", type=int, default=10, help="weight updates per path")
     return parser.parse_args()
 
@@ -71,29 +68,6 @@ def sampling_kwargs(args) -> dict:
 
 
 # ------------------------------------------------------------------------------- rollouts
-
-
-def on_worker_thread(fn, *args):
-    """Run `fn` on a fresh thread, as the server runs its engine, and return its result.
-
-    On a busy machine torch's OpenMP intra-op threads can be many times slower when driven
-    from the main thread than from another thread; the server's engine loop never runs on
-    the main thread, so this is the in-process baseline that compares like with like."""
-    result: list = []
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
-    return result[0]
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -116,14 +90,13 @@ def time_rollouts(llm, client: EngineClient, server_pid: int, prompts, args):
     llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up
     client.generate(prompts[:1], SamplingParams(max_tokens=2))
     me = os.getpid()
+    # In process, the engine steps on the thread that built it, as the server's engine does
+    # (an engine stepped from another thread gets a second OpenMP pool: see LLMEngine).
     runs = {
-        "in process, engine thread": (
-            lambda: on_worker_thread(llm.generate, prompts, local_params), [me]),
+        "in process (LLM.generate)": (lambda: llm.generate(prompts, local_params), [me]),
         "gRPC (EngineClient.generate)": (
             lambda: client.generate(prompts, remote_params), [me, server_pid]),
     }
-    if args.main_thread_baseline:
-        runs["in process, main thread"] = (lambda: llm.generate(prompts, local_params), [me])
     best = {name: [float("inf"), float("inf"), 0] for name in runs}
     for _ in range(args.num_rollout_repeats):
         for name, (run, pids) in runs.items():
@@ -177,7 +150,7 @@ def memcpy_run(weights: dict[str, torch.Tensor]):
         for name, tensor in weights.items():
             targets[name].copy_(tensor)
 
-    return lambda: on_worker_thread(copy_all)
+    return copy_all
 
 
 def _sink_main(port_queue) -> None:
@@ -299,7 +272,7 @@ def main() -> None:
 
 
 def print_rollout_table(results: dict[str, tuple[float, float, int]]) -> None:
-    base_wall, base_cpu, _ = results["in process, engine thread"]
+    base_wall, base_cpu, _ = results["in process (LLM.generate)"]
     print("\n| rollout path | wall (s) | CPU (s) | tokens | tokens/s | wall vs in process "
           "| CPU vs in process |")
     print("|---|---:|---:|---:|---:|---:|---:|")
