@@ -243,7 +243,8 @@ class LLMEngine:
 
     def _schedule_and_launch(self) -> bool:
         """Schedule a step if there is room in flight; launch it unless it is empty."""
-        if len(self._in_flight) == self._max_in_flight or not self.scheduler.has_unfinished_requests():
+        full = len(self._in_flight) == self._max_in_flight
+        if full or not self.scheduler.has_unfinished_requests():
             return False
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.kv_loads:
@@ -365,8 +366,8 @@ class LLMEngine:
             torch.set_num_threads(previous)
 
     def shutdown(self) -> None:
-        """Stop the engine's threads (forward or host, grammar compiling) and the processes of the
-        other tensor-parallel ranks; steps in flight are waited for."""
+        """Stop the engine's threads (forward or host, grammar compiling) and the processes of
+        the other tensor-parallel ranks; steps in flight are waited for."""
         for thread in (self._forward_thread, self._host_thread):
             if thread is not None:
                 thread.shutdown(wait=True)
