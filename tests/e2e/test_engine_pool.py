@@ -53,6 +53,9 @@ def tokens(outputs) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outputs]
 
 
+# Five server starts (37 s). The fast suite keeps a pool's engine killed between calls
+# (test_ray_engines) and a lone engine killed mid-rollout (test_trl_backend).
+@pytest.mark.slow
 def test_a_pool_of_three_loses_nothing_when_an_engine_dies_and_takes_it_back(
     llama_dir, tmp_path, expected
 ):
