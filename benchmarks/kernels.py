@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import AttentionMetadata  # noqa: E402
-from kernels.paged_attention_ref import paged_attention_ref, store_kv_cache_ref  # noqa: E402
+from kernels import AttentionMetadata
+from kernels.paged_attention_ref import paged_attention_ref, store_kv_cache_ref
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DEVICE = "cuda"

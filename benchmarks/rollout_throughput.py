@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workload import add_grpo_workload_args, add_model_args, make_prompts
 
-from rollout_engine import LLM, SamplingParams  # noqa: E402
-from rollout_engine.tiny_model import build_tiny_model  # noqa: E402
+from rollout_engine import LLM, SamplingParams
+from rollout_engine.tiny_model import build_tiny_model
 
 
 def parse_args() -> argparse.Namespace:

@@ -17,6 +17,7 @@ GPU's scaling.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 import time
@@ -88,7 +89,7 @@ def tensor_parallel(model_dir: str, prompts, params) -> dict[str, tuple[float, i
         try:
             llm.generate(prompts[:2], params)  # warm-up
             llm.reset_prefix_cache()
-            seconds, outputs = timed(lambda: llm.generate(prompts, params))
+            seconds, outputs = timed(functools.partial(llm.generate, prompts, params))
             results[f"TP = {size}"] = (seconds, num_tokens(outputs))
         finally:
             llm.engine.shutdown()

@@ -42,9 +42,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_engine import LLM, SamplingParams  # noqa: E402
-from rollout_engine.worker.models.loader import iterate_checkpoint  # noqa: E402
-from rollout_engine.tiny_model import build_tiny_model  # noqa: E402
+from rollout_engine import LLM, SamplingParams
+from rollout_engine.tiny_model import build_tiny_model
+from rollout_engine.worker.models.loader import iterate_checkpoint
 
 MiB = 1 << 20
 GOAL_RATIO = 1.5

@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_engine import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
-from rollout_engine.tiny_model import build_tiny_model  # noqa: E402
+from rollout_engine import LLM, SamplingParams, StructuredOutputsParams
+from rollout_engine.tiny_model import build_tiny_model
 
 CONSTRAINTS = {
     "regex": StructuredOutputsParams(regex=r"[a-z ,.]+"),
@@ -96,7 +96,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or str(build_tiny_model(Path(tmp) / "model", args.arch, args.size))
         llm = LLM(model_dir, device=args.device, max_num_seqs=256, kv_cache_bytes=1 << 30)
-        words = "the of and to in is was for on that with as by at it from".split()
+        words = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with",
+                 "as", "by", "at", "it", "from"]
         rows = []
         for batch in args.batch_sizes:
             prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 60)))

@@ -73,7 +73,7 @@ def unary(method: Callable) -> Callable:
             return await method(self, check_decoded(request), context)
         except grpc.aio.AbortError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every error becomes the call's status
             await abort_with(context, exc)
 
     return wrapper
@@ -89,7 +89,7 @@ def streaming(method: Callable) -> Callable:
                 yield message
         except grpc.aio.AbortError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every error becomes the call's status
             await abort_with(context, exc)
 
     return wrapper

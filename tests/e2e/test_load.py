@@ -9,6 +9,7 @@ runs it longer and prints the outcome table recorded in docs/RELIABILITY.md."""
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import random
 import threading
@@ -141,7 +142,7 @@ def worker(run: LoadRun, seed: int, deadline_s: float) -> None:
     actions = ROLES.get(seed, CLIENT_ACTIONS)
     while time.monotonic() < deadline_s:
         action = rng.choice(actions)
-        run.record(action, lambda: getattr(run, action)(rng))
+        run.record(action, functools.partial(getattr(run, action), rng))
         if seed in ROLES:
             time.sleep(rng.uniform(0.1, 0.5))
 

@@ -64,7 +64,7 @@ def update_while_generating(client: EngineClient) -> None:
 
 def raw_call(client: EngineClient, method: str, payload: bytes) -> None:
     """Send undecodable bytes as the request of `method`."""
-    call = client._channel.unary_stream(  # noqa: SLF001 - a raw call on the client's channel
+    call = client._channel.unary_stream(  # a raw call on the client's channel
         f"/rollout.v1.RolloutEngine/{method}", request_serializer=lambda raw: raw,
         response_deserializer=lambda raw: raw,
     )
@@ -75,7 +75,7 @@ def raw_call(client: EngineClient, method: str, payload: bytes) -> None:
 
 
 def raw_sampling_params(client: EngineClient, **fields) -> None:
-    stub = pb_grpc.RolloutEngineStub(client._channel)  # noqa: SLF001
+    stub = pb_grpc.RolloutEngineStub(client._channel)
     request = pb.GenerateBatchRequest(prompts=[pb.Prompt(text="hi")],
                                       sampling_params=pb.SamplingParams(**fields))
     try:

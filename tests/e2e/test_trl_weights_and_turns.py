@@ -4,11 +4,10 @@ turns, and every GRPOConfig generation setting honoured or refused at constructi
 
 from __future__ import annotations
 
-import re
-
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path

@@ -15,7 +15,7 @@ def llm(llama_dir) -> LLM:
     return LLM(str(llama_dir), max_model_len=64)
 
 
-GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 
 
 @pytest.mark.parametrize(

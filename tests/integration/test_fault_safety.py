@@ -16,9 +16,10 @@ from tests.integration.hf_oracle import hf_greedy_batch
 MAX_NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
 # A 16-token budget chunks the 22..30-token prompts; 4-token blocks give many cached blocks.
-ENGINE_OPTIONS = dict(
-    block_size=4, max_num_batched_tokens=16, num_speculative_tokens=3, max_model_len=256
-)
+ENGINE_OPTIONS = {
+    "block_size": 4, "max_num_batched_tokens": 16, "num_speculative_tokens": 3,
+    "max_model_len": 256,
+}
 FAULTS = {"oom": DeviceOutOfMemoryError, "interrupt": KeyboardInterrupt,
           "runtime": StepFailedError}
 

@@ -7,7 +7,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 from rollout_engine.worker.cpu_threads import CpuSample, CpuThreadPolicy, read_cpu_sample
 

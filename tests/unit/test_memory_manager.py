@@ -223,7 +223,7 @@ def test_a_backend_that_keeps_host_backups_allocates_one_per_tag() -> None:
             super().__init__(num_bytes)
 
     with MemoryManager("cpu") as keeping:
-        keeping._backend.keeps_host_backups = True  # noqa: SLF001 - the CUDA policy, on CPU
+        keeping._backend.keeps_host_backups = True  # the CUDA policy, on the CPU
         original = cpu_backend.CpuHostBackup
         cpu_backend.CpuHostBackup = CountingBackup
         try:

@@ -24,8 +24,8 @@ from rollout_engine.protocol import (
     InvalidRequestError,
     MemoryState,
     SamplingParams,
-    StructuredOutputsParams,
     SleepLevel,
+    StructuredOutputsParams,
     TagMemoryState,
     error_from_status,
 )
