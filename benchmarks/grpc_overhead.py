@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from workload import add_grpo_workload_args, add_model_args, make_prompts
 
 from rollout_engine.tiny_model import build_tiny_model
+from rollout_engine.worker.cpu_threads import cpu_seconds
 from trainer_bridge import EngineClient, SamplingParams
 from trainer_bridge.transports import DEFAULT_STREAM_CHUNK_BYTES
 
@@ -70,15 +71,9 @@ def sampling_kwargs(args) -> dict:
 # ------------------------------------------------------------------------------- rollouts
 
 
-def cpu_seconds(pids: list[int]) -> float:
+def cpu_seconds_of(pids: list[int]) -> float:
     """User + system CPU time of these processes so far (all their threads)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / ticks
+    return sum(cpu_seconds(f"/proc/{pid}/stat") for pid in pids)
 
 
 def time_rollouts(llm, client: EngineClient, server_pid: int, prompts, args):
@@ -100,9 +95,9 @@ def time_rollouts(llm, client: EngineClient, server_pid: int, prompts, args):
     best = {name: [float("inf"), float("inf"), 0] for name in runs}
     for _ in range(args.num_rollout_repeats):
         for name, (run, pids) in runs.items():
-            cpu_start, start = cpu_seconds(pids), time.perf_counter()
+            cpu_start, start = cpu_seconds_of(pids), time.perf_counter()
             outputs = run()
-            elapsed, cpu = time.perf_counter() - start, cpu_seconds(pids) - cpu_start
+            elapsed, cpu = time.perf_counter() - start, cpu_seconds_of(pids) - cpu_start
             best[name][0] = min(best[name][0], elapsed)
             best[name][1] = min(best[name][1], cpu)
             best[name][2] = sum(len(o.token_ids) for out in outputs for o in out.outputs)

@@ -40,21 +40,27 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def cpu_seconds(stat_path: str | os.PathLike[str] = "/proc/self/stat") -> float:
+    """User + system CPU seconds a process (`/proc/PID/stat`) or one of its threads
+    (`/proc/PID/task/TID/stat`) has used so far; OSError, ValueError where unreadable."""
+    with open(stat_path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+    # utime and stime are fields 14 and 15 of the whole stat line (11, 12 after the name).
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def read_cpu_sample() -> CpuSample | None:
     """From /proc (Linux); None where it cannot be read."""
     try:
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
-        with open("/proc/self/stat") as f:
-            own = f.read().rsplit(")", 1)[1].split()
+        process_s = cpu_seconds()
     except (OSError, ValueError, IndexError):
         return None
     ticks = os.sysconf("SC_CLK_TCK")
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     busy = sum(fields[:8]) - idle  # user nice system idle iowait irq softirq steal
-    # utime and stime are fields 14 and 15 of the whole stat line (11, 12 after the name).
-    process = int(own[11]) + int(own[12])
-    return CpuSample(busy / ticks, process / ticks, time.monotonic())
+    return CpuSample(busy / ticks, process_s, time.monotonic())
 
 
 class CpuThreadPolicy:

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from rollout_engine.worker.cpu_threads import cpu_seconds
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 READY_LINE = re.compile(r"rollout-engine serving .* on (\S+):(\d+)")
 # Options shared by the served engine and the in-process reference engine.
@@ -60,8 +62,7 @@ class ServerProcess:
 
     def cpu_time_s(self) -> float:
         """User + system CPU seconds the server process has used so far."""
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(f"/proc/{self.process.pid}/stat")
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM, then the exit status (the server drains and exits 0)."""

@@ -10,7 +10,6 @@ oversubscribe them and this holds trivially.
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 
 from rollout_engine import SamplingParams
 from rollout_engine.tiny_model import build_tiny_model
+from rollout_engine.worker.cpu_threads import cpu_seconds
 from tests.e2e.server_process import start_server
 from trainer_bridge import EngineClient
 
@@ -26,16 +26,16 @@ MAX_TOKENS = 12
 
 def _threads(pid: int) -> dict[str, tuple[float, int]]:
     """Per thread of `pid`: CPU seconds and voluntary context switches so far."""
-    threads, ticks = {}, os.sysconf("SC_CLK_TCK")
+    threads = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            seconds = cpu_seconds(task / "stat")
             status = (task / "status").read_text()
         except OSError:  # the thread ended
             continue
         switches = next(int(line.split()[1]) for line in status.splitlines()
                         if line.startswith("voluntary_ctxt_switches"))
-        threads[task.name] = ((int(fields[11]) + int(fields[12])) / ticks, switches)
+        threads[task.name] = (seconds, switches)
     return threads
 
 
