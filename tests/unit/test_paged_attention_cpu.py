@@ -175,7 +175,8 @@ def test_kernel_on_sibling_samples(head_dim, block_size, peaked):
         prefix = [free.pop() for _ in range(-(-prompt_len // block_size))]
         for _ in range(4):
             seq_len = prompt_len + rng.randint(1, 40)
-            tables.append(prefix + [free.pop() for _ in range(-(-seq_len // block_size) - len(prefix))])
+            own = [free.pop() for _ in range(-(-seq_len // block_size) - len(prefix))]
+            tables.append(prefix + own)
             seq_lens.append(seq_len)
             query_lens.append(rng.choice([1, 1, 1, 3]))
     metadata = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
