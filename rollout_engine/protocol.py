@@ -149,6 +149,12 @@ class DeadlineExceededError(EngineError, TimeoutError):
     status_code = "DEADLINE_EXCEEDED"
 
 
+class CancelledError(EngineError):
+    """The caller cancelled the call (a client-side `CallCancel`, or a closed stream)."""
+
+    status_code = "CANCELLED"
+
+
 class InvalidRequestError(InvalidArgumentError):
     """The request itself is wrong (prompt, sampling parameters); fix the input and resend."""
 
@@ -201,8 +207,8 @@ ERROR_TYPES: dict[str, type[EngineError]] = {
     for cls in (
         EngineError, InvalidArgumentError, FailedPreconditionError, ResourceExhaustedError,
         InternalError, UnavailableError, UnauthenticatedError, DeadlineExceededError,
-        InvalidRequestError, ModelLoadError, WeightUpdateError, EngineSleepingError,
-        EngineBusyError, OutOfBlocksError, AdmissionError, DeviceOutOfMemoryError,
+        CancelledError, InvalidRequestError, ModelLoadError, WeightUpdateError,
+        EngineSleepingError, EngineBusyError, OutOfBlocksError, AdmissionError, DeviceOutOfMemoryError,
         StepFailedError, RankFailedError, KVTransferError,
     )
 }
@@ -210,7 +216,7 @@ _ERRORS_BY_CODE: dict[str, type[EngineError]] = {
     cls.status_code: cls
     for cls in (
         InvalidArgumentError, FailedPreconditionError, ResourceExhaustedError, InternalError,
-        UnavailableError, UnauthenticatedError, DeadlineExceededError,
+        UnavailableError, UnauthenticatedError, DeadlineExceededError, CancelledError,
     )
 }
 

@@ -4,6 +4,7 @@ The types and errors are the engine's own (`rollout_engine.protocol`), re-export
 """
 
 from rollout_engine.protocol import (
+    CancelledError,
     CompletionOutput,
     DeadlineExceededError,
     EngineBusyError,
@@ -28,6 +29,7 @@ from trainer_bridge.client import EngineClient
 from trainer_bridge.disaggregated import DisaggregatedClient
 
 __all__ = [
+    "CancelledError",
     "CompletionOutput",
     "DeadlineExceededError",
     "DisaggregatedClient",

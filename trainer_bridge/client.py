@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Self, TypeVar
@@ -34,6 +35,31 @@ from trainer_bridge import transports
 
 T = TypeVar("T")
 Prompt = str | Sequence[int]
+
+
+class CallCancel:
+    """Cancels a `generate` call from another thread: one not started yet fails as soon as it
+    starts, one in flight at once; either way the server drops its requests and the call
+    raises `CancelledError`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._call: grpc.Call | None = None
+        self.is_cancelled = False
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.is_cancelled = True
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def attach(self, call: grpc.Call) -> None:
+        with self._lock:
+            self._call = call
+            cancelled = self.is_cancelled
+        if cancelled:
+            call.cancel()
 
 
 class EngineClient:
@@ -107,13 +133,15 @@ class EngineClient:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         timeout: float | None = None,
+        cancel: CallCancel | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order (GenerateBatch; never retried)."""
+        """One RequestOutput per prompt, in order (GenerateBatch; never retried). `cancel`
+        lets another thread end the call."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         collected: dict[int, tuple[list[int], list[CompletionOutput]]] = {}
         for index, prompt_token_ids, completion in self.iter_completions(
-            prompts, sampling_params, timeout
+            prompts, sampling_params, timeout, cancel
         ):
             entry = collected.setdefault(index, ([], []))
             entry[0].extend(prompt_token_ids)
@@ -135,6 +163,7 @@ class EngineClient:
         prompts: Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         timeout: float | None = None,
+        cancel: CallCancel | None = None,
     ) -> Iterator[tuple[int, list[int], CompletionOutput]]:
         """(prompt index, prompt token ids (with a prompt's first completion only), the
         completion) for each completion, as soon as it finishes (GenerateBatch)."""
@@ -146,6 +175,8 @@ class EngineClient:
         call = self._stub.GenerateBatch(
             request, metadata=self._metadata, timeout=self._deadline(timeout)
         )
+        if cancel is not None:
+            cancel.attach(call)
         try:
             for message in call:
                 for item in message.completions:

@@ -12,10 +12,18 @@
 
 An engine that stops answering (UNAVAILABLE, or its health check fails) is taken out, and the
 prompts it had not answered are sent again, whole, to the others. A dead engine is probed
-again before later calls; once it serves, it rejoins, after being given the pool's state:
-put to sleep if the pool sleeps, and not used for generation until it holds the pool's weight
-weights (the next `update_weights` reaches it). Weight pushes, `sleep`, `wake_up`,
-`release_kv_cache_memory` and `reset_prefix_cache` go to every live engine.
+again before later calls; once it serves, it rejoins in the pool's state (put to sleep if the
+pool sleeps). Weight pushes, `sleep`, `wake_up`, `release_kv_cache_memory` and
+`reset_prefix_cache` go to every live engine.
+
+The pool tracks weight pushes, not versions: an engine that a push did not reach in full
+(down, unreachable, or failed during it) and one that restarted since (it reports another
+version) generate nothing until a later push reaches them, and a completion enters a result
+only if it carries the version its engine reported after the pool's latest push.
+
+When one engine's call fails for any other reason (an invalid prompt, admission, a failed
+step), the calls to the other engines are cancelled, every engine's load is released, and the
+first error is raised with the engine's address in its message.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from typing import Any, Self
 
 from rollout_engine.protocol import (
     DeadlineExceededError,
+    EngineError,
     EngineInfo,
     MemoryState,
     RequestOutput,
@@ -39,12 +48,16 @@ from rollout_engine.protocol import (
     SleepMode,
     UnavailableError,
 )
-from trainer_bridge.client import EngineClient, Prompt, per_prompt
+from trainer_bridge.client import CallCancel, EngineClient, Prompt, per_prompt
 from trainer_bridge.transports import for_several_readers
 
 logger = logging.getLogger(__name__)
 
 _MAX_REMEMBERED_PREFIXES = 100_000
+
+
+_STALE_PUSH = -1
+"""`PoolMember.weight_push` of an engine that lost the weights it was pushed (restarted)."""
 
 
 @dataclass
@@ -53,11 +66,12 @@ class PoolMember:
 
     client: EngineClient
     is_alive: bool = True
-    needs_weights: bool = False
-    """Restarted, so it lost the pool's weights: no generation until the next update."""
+    weight_push: int = 0
+    """The number of the last pool push this engine received in full (0: none, it serves its
+    checkpoint); it may generate only while this is the pool's latest push."""
     weight_version: int | None = None
-    """Its version after the pool's last weight push (engines count versions on their own:
-    one that restarted counts from 0 again); None until weights are pushed."""
+    """The version it reported after that push (engines count versions on their own: one that
+    restarted counts from 0 again); None until weights are pushed."""
     num_assigned_samples: int = 0
     last_probe_s: float = 0.0
     num_failures: int = 0
@@ -66,9 +80,16 @@ class PoolMember:
     def address(self) -> str:
         return self.client.address
 
-    @property
-    def can_generate(self) -> bool:
-        return self.is_alive and not self.needs_weights
+
+@dataclass
+class _Call:
+    """One engine's share of a `generate` round."""
+
+    member: PoolMember
+    indices: list[int]
+    cancel: CallCancel
+    weight_push: int
+    """The pool's latest push when the call was sent."""
 
 
 class EnginePool:
@@ -93,7 +114,8 @@ class EnginePool:
         self.probe_interval_s = probe_interval_s
         self._prefix_owner: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._has_pushed_weights = False
+        self._num_pushes = 0
+        """Weight pushes through the pool that reached at least one engine."""
         self._sleep_level: SleepLevel | None = None
         self._threads = concurrent.futures.ThreadPoolExecutor(
             len(self.members), thread_name_prefix="engine-pool"
@@ -141,59 +163,78 @@ class EnginePool:
         pending = list(range(len(prompts)))
         while pending:
             assignment = self._assign(prompts, params, pending)
-            futures = {
-                self._threads.submit(
-                    self._generate_on, member_index, prompts, params, indices, timeout
-                ): (member_index, indices)
-                for member_index, indices in assignment.items()
-            }
-            pending = []
-            for future in concurrent.futures.as_completed(futures):
-                member_index, indices = futures[future]
-                member = self.members[member_index]
-                try:
-                    outputs = future.result()
-                except (UnavailableError, DeadlineExceededError) as exc:
-                    self._take_out(member, exc)
-                    pending += indices
-                    continue
-                finally:
-                    self._release(member, params, indices)
-                if not self._has_pool_weights(member, outputs):
-                    pending += indices  # restarted between calls: stale weights, run again
-                    continue
-                for index, output in zip(indices, outputs):
-                    output.request_id = str(index)
-                    results[index] = output
-                    self.last_assignment[index] = member.address
-            pending.sort()
+            pending = sorted(self._run_round(assignment, prompts, params, timeout, results))
         return [results[i] for i in range(len(prompts))]
 
-    def _has_pool_weights(self, member: PoolMember, outputs: list[RequestOutput]) -> bool:
-        """Whether every completion came from the pool's weights; if not, the engine is kept
-        from generating until the next update reaches it."""
-        expected = member.weight_version
-        if expected is None or all(
-            c.weight_version == expected for o in outputs for c in o.outputs
-        ):
-            return True
+    def _run_round(self, assignment, prompts, params, timeout, results) -> list[int]:
+        """Send each engine its prompts and settle every call; the prompts to send again.
+
+        An engine that fails with anything but unavailability fails the whole request: the
+        other calls are cancelled, and its error is raised once all have settled."""
+        calls = {}
+        for member_index, indices in assignment.items():
+            call = _Call(self.members[member_index], indices, CallCancel(), self._num_pushes)
+            future = self._threads.submit(
+                call.member.client.generate, [prompts[i] for i in indices],
+                [params[i] for i in indices], timeout, call.cancel,
+            )
+            calls[future] = call
+        pending: list[int] = []
+        failure: tuple[PoolMember, Exception] | None = None
+        for future in concurrent.futures.as_completed(calls):
+            call = calls[future]
+            self._release(call.member, params, call.indices)
+            try:
+                outputs = future.result()
+            except (UnavailableError, DeadlineExceededError) as exc:
+                self._take_out(call.member, exc)
+                pending += call.indices
+                continue
+            except Exception as exc:  # noqa: BLE001 - raised once every call has settled
+                if failure is None:
+                    failure = (call.member, exc)
+                    for other in calls.values():
+                        other.cancel.cancel()
+                continue
+            if failure is not None:
+                continue
+            if not self._has_pool_weights(call, outputs):
+                pending += call.indices
+                continue
+            for index, output in zip(call.indices, outputs):
+                output.request_id = str(index)
+                results[index] = output
+                self.last_assignment[index] = call.member.address
+        if failure is not None:
+            raise _naming_engine(*failure)
+        return pending
+
+    def _has_pool_weights(self, call: _Call, outputs: list[RequestOutput]) -> bool:
+        """Whether every completion came from the weights of the pool's latest push; if the
+        engine answered with another version though no push came in between, it restarted
+        and generates nothing until the next push reaches it."""
+        member = call.member
         with self._lock:
-            member.needs_weights = True
+            if call.weight_push != self._num_pushes or not self._can_generate(member):
+                return False  # a push went by while it generated
+            expected = member.weight_version
+            if expected is None or all(
+                c.weight_version == expected for o in outputs for c in o.outputs
+            ):
+                return True
+            member.weight_push = _STALE_PUSH
         logger.warning("engine %s answered with weight version other than %d (restarted?); "
                        "its prompts run elsewhere", member.address, expected)
         return False
 
-    def _generate_on(self, member_index, prompts, params, indices, timeout):
-        member = self.members[member_index]
-        return member.client.generate(
-            [prompts[i] for i in indices], [params[i] for i in indices], timeout
-        )
+    def _can_generate(self, member: PoolMember) -> bool:
+        return member.is_alive and member.weight_push == self._num_pushes
 
     def _assign(self, prompts, params, indices: list[int]) -> dict[int, list[int]]:
         """Each prompt to the engine that owns its prefix, else to the least loaded one."""
         assignment: dict[int, list[int]] = collections.defaultdict(list)  # member -> prompts
         with self._lock:
-            candidates = [i for i, m in enumerate(self.members) if m.can_generate]
+            candidates = [i for i, m in enumerate(self.members) if self._can_generate(m)]
             if not candidates:
                 raise UnavailableError(
                     f"no engine of the pool can generate: {self._describe_members()}"
@@ -241,7 +282,8 @@ class EnginePool:
             member.last_probe_s = time.monotonic()
 
     def _probe_dead_members(self) -> None:
-        """Health-check engines that left; one that serves again rejoins in the pool's state."""
+        """Health-check engines that left; one that serves again rejoins in the pool's state
+        (it generates only if it holds the weights of the pool's latest push)."""
         now = time.monotonic()
         for member in self.members:
             if member.is_alive or now - member.last_probe_s < self.probe_interval_s:
@@ -257,51 +299,65 @@ class EnginePool:
                 continue
             with self._lock:
                 member.is_alive = True
-                member.needs_weights = (
-                    self._has_pushed_weights and info.weight_version != member.weight_version
-                )
-            logger.warning("engine %s rejoined the pool%s", member.address,
-                           " (it generates once the next weight update reaches it)"
-                           if member.needs_weights else "")
+                self._forget_weights_if_restarted(member, info.weight_version)
+                current = self._can_generate(member)
+            logger.warning("engine %s rejoined the pool%s", member.address, "" if current
+                           else " (it generates once the next weight update reaches it)")
 
     def _check_weight_versions(self) -> None:
-        """Once weights were pushed through the pool, an engine restarted between calls (its
-        version differs) generates only after the next update reaches it."""
+        """An engine restarted between calls (its version differs from the one it reported
+        after its last push) generates only after the next push reaches it."""
         for member in self.members:
-            if not member.can_generate or member.weight_version is None:
+            if not self._can_generate(member) or member.weight_version is None:
                 continue
             try:
                 version = member.client.info().weight_version
             except (UnavailableError, DeadlineExceededError) as exc:
                 self._take_out(member, exc)
                 continue
-            if version != member.weight_version:
-                with self._lock:
-                    member.needs_weights = True
+            with self._lock:
+                self._forget_weights_if_restarted(member, version)
+
+    def _forget_weights_if_restarted(self, member: PoolMember, version: int) -> None:
+        if member.weight_version is not None and version != member.weight_version:
+            member.weight_push = _STALE_PUSH
 
     def _describe_members(self) -> str:
         return ", ".join(
             f"{m.address} ({'alive' if m.is_alive else 'down'}"
-            f"{', needs weights' if m.needs_weights else ''})" for m in self.members
+            f"{'' if m.weight_push == self._num_pushes else ', missed a weight push'})"
+            for m in self.members
         )
 
     def _broadcast(self, verb: str, *args: Any, **kwargs: Any) -> list[tuple[PoolMember, Any]]:
-        """Call `verb` on every live engine at once: (engine, its answer) for each that
-        answered; engines that fail to answer leave."""
+        """Call `verb` on every live engine at once and wait for all: (engine, its answer) for
+        each that answered. Engines that fail to answer leave; any other error is raised,
+        naming its engine, once every call has settled."""
+        answers, failures = self._call_every_live(verb, *args, **kwargs)
+        if failures:
+            raise _naming_engine(*failures[0])
+        if not answers:
+            raise UnavailableError(f"every engine failed {verb}: {self._describe_members()}")
+        return answers
+
+    def _call_every_live(
+        self, verb: str, *args: Any, **kwargs: Any
+    ) -> tuple[list[tuple[PoolMember, Any]], list[tuple[PoolMember, EngineError]]]:
+        """(answers, errors other than unavailability) of `verb` on every live engine."""
         self._probe_dead_members()
         live = [m for m in self.members if m.is_alive]
         if not live:
             raise UnavailableError(f"no engine of the pool is alive: {self._describe_members()}")
         futures = {self._threads.submit(getattr(m.client, verb), *args, **kwargs): m for m in live}
-        results = []
+        answers, failures = [], []
         for future, member in futures.items():
             try:
-                results.append((member, future.result()))
+                answers.append((member, future.result()))
             except (UnavailableError, DeadlineExceededError) as exc:
                 self._take_out(member, exc)
-        if not results:
-            raise UnavailableError(f"every engine failed {verb}: {self._describe_members()}")
-        return results
+            except EngineError as exc:
+                failures.append((member, exc))
+        return answers, failures
 
     # --------------------------------------------------------------- every engine at once
     def sleep(self, level: SleepLevel | int = 1, mode: SleepMode = "abort") -> int:
@@ -324,16 +380,24 @@ class EnginePool:
 
         Each engine reads the weights, so they are held as a list (a generator is read into
         one first). Engines that rejoined without the pool's weights get them too, and
-        generate again.
+        generate again. Once the push reached any engine, those it did not reach in full
+        (down, or failed during it) generate nothing until a later push reaches them; an
+        error other than unavailability is raised, naming its engine, after that.
         """
         weights = for_several_readers(weights, options.get("manifest"))
-        versions = self._broadcast("update_weights", weights, **options)
+        answers, failures = self._call_every_live("update_weights", weights, **options)
         with self._lock:
-            self._has_pushed_weights = True
-            for member, version in versions:
+            if answers:
+                self._num_pushes += 1
+            for member, version in answers:
+                member.weight_push = self._num_pushes
                 member.weight_version = version
-                member.needs_weights = False
-        return max(version for _, version in versions)
+        if failures:
+            raise _naming_engine(*failures[0])
+        if not answers:
+            raise UnavailableError(f"every engine failed update_weights: "
+                                   f"{self._describe_members()}")
+        return max(version for _, version in answers)
 
     # ----------------------------------------------------------------------- introspection
     def info(self) -> EngineInfo:
@@ -350,3 +414,15 @@ class EnginePool:
             if member.is_alive:
                 return member
         raise UnavailableError(f"no engine of the pool is alive: {self._describe_members()}")
+
+
+def _naming_engine(member: PoolMember, exc: Exception) -> Exception:
+    """`exc` again, of the same type, with the engine's address in front of its message (an
+    error that is not the engine's gets the address as a note)."""
+    if not isinstance(exc, EngineError):
+        exc.add_note(f"while calling engine {member.address}")
+        return exc
+    error = type(exc)(f"engine {member.address}: {exc}", request_ids=exc.request_ids)
+    error.error_type = exc.error_type
+    error.__cause__ = exc
+    return error
