@@ -54,13 +54,21 @@ def paged_attention(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention over the paged KV cache; query [num_tokens, num_heads, head_dim]."""
+    """Causal attention over the paged KV cache; query [num_tokens, num_heads, head_dim].
+
+    `sliding_window` W: each token sees its own key and the W - 1 before it only (a layer's
+    setting; None sees everything before it)."""
     backend = attention_backend(query.device, _use_triton(query))
     if backend == "triton":
         from kernels.triton_paged_attention import paged_attention_triton
 
         with _on_device(query):
-            return paged_attention_triton(query, key_cache, value_cache, metadata, scale)
-    attend: Callable = paged_attention_cpu if backend == "cpu" else paged_attention_ref
-    return attend(query, key_cache, value_cache, metadata, scale)
+            return paged_attention_triton(
+                query, key_cache, value_cache, metadata, scale, sliding_window
+            )
+    if backend == "cpu":
+        return paged_attention_cpu(query, key_cache, value_cache, metadata, scale,
+                                   sliding_window=sliding_window)
+    return paged_attention_ref(query, key_cache, value_cache, metadata, scale, sliding_window)

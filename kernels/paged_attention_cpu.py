@@ -13,6 +13,10 @@ Where the compiled kernel (`kernels/cpu_extension.py`) is available, the short q
 the gathers altogether: the kernel reads the blocks in place with the same shared-prefix
 groups (about 6x less attention time at a few hundred decode rows). Prefill chunks keep the
 torch path, whose matmuls already run at the BLAS's speed.
+
+A layer's sliding window (see `paged_attention_ref`) is honoured everywhere: the kernel and the
+prefill chunks skip the blocks wholly outside it; the torch path for short queries masks them
+and shares no prefix (a shared prefix may be partly outside a member's window).
 """
 
 from __future__ import annotations
@@ -51,22 +55,24 @@ def paged_attention_cpu(
     metadata: AttentionMetadata,
     scale: float,
     use_kernel: bool | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `paged_attention_ref`: query [T, H, D] -> [T, H, D].
 
     `use_kernel`: the compiled kernel for the short queries (None: wherever it is available,
-    False: the torch path). The choice is made once per step, with its plan.
+    False: the torch path). The choice is made once per step and window, with its plan.
     """
-    plan = metadata.cache.get("cpu_plan")
+    key = ("cpu_plan", sliding_window)
+    plan = metadata.cache.get(key)
     if plan is None:
         if use_kernel is None:
             use_kernel = _kernel_applies(query, key_cache) and cpu_extension.available()
-        plan = metadata.cache["cpu_plan"] = _build_plan(metadata, use_kernel)
+        plan = metadata.cache[key] = _build_plan(metadata, use_kernel, sliding_window)
     out = torch.empty_like(query)
     if plan["kernel"] is not None:
         cpu_extension.paged_attention_short(
             query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-            metadata.query_start_loc, *plan["kernel"], scale, out,
+            metadata.query_start_loc, *plan["kernel"], scale, out, sliding_window,
         )
     elif plan["own"] is not None:
         o, lse = _attend(query, key_cache, value_cache, plan["own"], scale)
@@ -78,11 +84,18 @@ def paged_attention_cpu(
             own_index = plan["own_index_of_shared"]
             merged = _merge(o[own_index], lse[own_index], o_shared, lse_shared)
             out[shared_rows] = merged.to(out.dtype)
+    block_size = key_cache.shape[1]
     for req, start, q_len, s_len in plan["single"]:
-        table = metadata.block_tables[req, : -(-s_len // key_cache.shape[1])].long()
-        k = _gather_heads_major(key_cache, table)[:, :s_len]  # [Hkv, s_len, D]
-        v = _gather_heads_major(value_cache, table)[:, :s_len]
-        out[start : start + q_len] = sdpa_causal_heads_major(query[start : start + q_len], k, v, scale)
+        # Blocks before the first query token's window are never read (a window is shifted
+        # with its keys: only relative positions matter).
+        first = max(0, s_len - q_len - sliding_window + 1) // block_size if sliding_window else 0
+        table = metadata.block_tables[req, first : -(-s_len // block_size)].long()
+        num_keys = s_len - first * block_size
+        k = _gather_heads_major(key_cache, table)[:, :num_keys]  # [Hkv, num_keys, D]
+        v = _gather_heads_major(value_cache, table)[:, :num_keys]
+        out[start : start + q_len] = sdpa_causal_heads_major(
+            query[start : start + q_len], k, v, scale, sliding_window
+        )
     return out
 
 
@@ -160,7 +173,9 @@ def _kernel_applies(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     )
 
 
-def _build_plan(metadata: AttentionMetadata, use_kernel: bool = False) -> dict:
+def _build_plan(
+    metadata: AttentionMetadata, use_kernel: bool = False, sliding_window: int | None = None
+) -> dict:
     """Per step: which requests share prefixes, and the padded index tensors (or, for the
     compiled kernel, the groups as flat index tensors)."""
     q_lens, s_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
@@ -181,8 +196,11 @@ def _build_plan(metadata: AttentionMetadata, use_kernel: bool = False) -> dict:
     if use_kernel:
         plan["kernel"] = _kernel_groups(batched, groups)
         return plan
+    if sliding_window:
+        groups = []
     num_shared = {i: c for members, c in groups for i in members}
-    plan["own"] = _own_part(batched, tables, q_lens, s_lens, starts, num_shared, bs)
+    plan["own"] = _own_part(batched, tables, q_lens, s_lens, starts, num_shared, bs,
+                            sliding_window)
     if groups:
         plan["shared"] = _shared_part(groups, tables, q_lens, starts, bs)
         # Position of each shared slot's row among the own part's valid slots.
@@ -232,8 +250,9 @@ def _kernel_groups(batched, groups) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return torch.tensor(members), torch.tensor(starts), torch.tensor([c for _, c in groups])
 
 
-def _own_part(batched, tables, q_lens, s_lens, starts, num_shared, bs) -> _Part:
-    """Each request's queries over its blocks past the shared prefix (causal)."""
+def _own_part(batched, tables, q_lens, s_lens, starts, num_shared, bs, sliding_window) -> _Part:
+    """Each request's queries over its blocks past the shared prefix (causal, and within the
+    sliding window if there is one)."""
     own_tables = [tables[i][num_shared.get(i, 0) : -(-s_lens[i] // bs)] for i in batched]
     max_rows = max(q_lens[i] for i in batched)
     num_blocks = max(len(t) for t in own_tables)
@@ -248,6 +267,8 @@ def _own_part(batched, tables, q_lens, s_lens, starts, num_shared, bs) -> _Part:
     q_pos = (s_len_t.view(-1, 1) - q_len_t + torch.arange(max_rows)).unsqueeze(-1)  # [N, R, 1]
     k_pos = first_key + torch.arange(num_blocks * bs).view(1, 1, -1)  # [N, 1, L]
     mask = (k_pos <= q_pos) & (k_pos < s_len_t)
+    if sliding_window:
+        mask &= k_pos > q_pos - sliding_window
     valid = torch.arange(max_rows).view(1, -1) < q_len_t
     return _Part(rows, valid, table_t, mask)
 

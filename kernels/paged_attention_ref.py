@@ -2,6 +2,9 @@
 
 Requests with short queries (decode rows, draft verification) are attended in one padded
 batch; longer prefill chunks one at a time, so a long prompt never pads the others.
+
+A sliding window W (a layer's setting, as Hugging Face's `sliding_window`) lets the token at
+position p see the keys at positions p - W + 1 .. p only.
 """
 
 from __future__ import annotations
@@ -45,15 +48,17 @@ def paged_attention_ref(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each request's queries over its paged KV.
+    """Causal attention of each request's queries over its paged KV (within `sliding_window`
+    positions of each query, if given).
 
     query: [num_tokens, num_heads, head_dim]; returns the same shape. The KV of this
     step's tokens must already be stored (all of them, before any request attends, so a
     request may read blocks that another request of the same step writes).
     """
     out = torch.empty_like(query)
-    plan = _plan(metadata)
+    plan = _plan(metadata, sliding_window)
     if plan["batched"] is not None:
         _attend_batched(query, key_cache, value_cache, plan["batched"], scale, out)
     for req, start, q_len, s_len in plan["single"]:
@@ -61,14 +66,16 @@ def paged_attention_ref(
         q = query[start : start + q_len]
         k = _gather_one(key_cache, table, s_len)
         v = _gather_one(value_cache, table, s_len)
-        out[start : start + q_len] = _sdpa_causal(q, k, v, scale)
+        out[start : start + q_len] = _sdpa_causal(q, k, v, scale, sliding_window)
     return out
 
 
-def _plan(metadata: AttentionMetadata) -> dict:
-    """Split requests into the padded batch and single prefill chunks (once per step)."""
-    if "ref_plan" in metadata.cache:
-        return metadata.cache["ref_plan"]
+def _plan(metadata: AttentionMetadata, sliding_window: int | None) -> dict:
+    """Split requests into the padded batch and single prefill chunks (once per step and
+    window)."""
+    key = ("ref_plan", sliding_window)
+    if key in metadata.cache:
+        return metadata.cache[key]
     starts = [0]  # from the host-side lengths: no device sync
     for q_len in metadata.query_lens_cpu:
         starts.append(starts[-1] + q_len)
@@ -78,13 +85,15 @@ def _plan(metadata: AttentionMetadata) -> dict:
             batched.append(i)
         else:
             single.append((i, starts[i], q_len, s_len))
-    plan = {"batched": _batched_plan(metadata, batched, starts) if batched else None,
-            "single": single}
-    metadata.cache["ref_plan"] = plan
+    plan = {"batched": _batched_plan(metadata, batched, starts, sliding_window) if batched
+            else None, "single": single}
+    metadata.cache[key] = plan
     return plan
 
 
-def _batched_plan(metadata: AttentionMetadata, reqs: list[int], starts: list[int]) -> dict:
+def _batched_plan(
+    metadata: AttentionMetadata, reqs: list[int], starts: list[int], sliding_window: int | None
+) -> dict:
     device = metadata.block_tables.device
     q_lens = [metadata.query_lens_cpu[i] for i in reqs]
     s_lens = [metadata.seq_lens_cpu[i] for i in reqs]
@@ -100,6 +109,8 @@ def _batched_plan(metadata: AttentionMetadata, reqs: list[int], starts: list[int
     k_pos = torch.arange(num_blocks * metadata.block_size).view(1, 1, -1)
     # [B, 1, max_q, L]: causal within the request, nothing past its KV length.
     mask = (k_pos <= q_pos.unsqueeze(-1)) & (k_pos < s_lens_t.unsqueeze(-1))
+    if sliding_window:
+        mask &= k_pos > q_pos.unsqueeze(-1) - sliding_window
     valid = torch.arange(max_q).view(1, -1) < q_lens_t
     return {
         "rows": rows.to(device),
@@ -133,21 +144,30 @@ def _gather_one(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
 
 
-def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _sdpa_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None
+) -> torch.Tensor:
     """q: [q_len, H, D] at the last q_len positions of k, v: [s_len, Hkv, D]."""
-    return sdpa_causal_heads_major(q, k.transpose(0, 1), v.transpose(0, 1), scale)
+    return sdpa_causal_heads_major(q, k.transpose(0, 1), v.transpose(0, 1), scale, sliding_window)
 
 
 def sdpa_causal_heads_major(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q: [q_len, H, D] at the last q_len positions of k, v: [Hkv, s_len, D]."""
     q_len, s_len = q.shape[0], k.shape[1]
-    if q_len == s_len:
+    if q_len == s_len and not sliding_window:
         mask, is_causal = None, True
     else:
         q_pos = torch.arange(s_len - q_len, s_len, device=q.device).view(-1, 1)
-        mask, is_causal = torch.arange(s_len, device=q.device).view(1, -1) <= q_pos, False
+        k_pos = torch.arange(s_len, device=q.device).view(1, -1)
+        mask, is_causal = k_pos <= q_pos, False  # [q_len, s_len]
+        if sliding_window:
+            mask &= k_pos > q_pos - sliding_window
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
         attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True,

@@ -8,7 +8,8 @@ that request r's tiles start at `query_start_loc[r] // BLOCK_Q + r`, which lets 
 program find its request by binary search: the grid depends only on the number of
 tokens and requests, never on a host-side plan. When few programs would cover a long
 KV (small decode batches), each one is also split along the KV and a second kernel
-merges the partial softmaxes (flash-decoding).
+merges the partial softmaxes (flash-decoding). With a sliding window W, a tile starts at the
+first KV tile its first row may see: the keys before it are never read.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def _paged_attention_kernel(
     partial_max_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32 (splits only)
     partial_sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32 (splits only)
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    sliding_window,  # W: a row sees keys in (q_pos - W, q_pos]; read only when SLIDING
     num_reqs,
     num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -108,6 +110,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,  # KV positions per inner step
     NUM_SPLITS: tl.constexpr,
+    SLIDING: tl.constexpr,  # the layer has a sliding window
     UPCAST: tl.constexpr,  # compute the dots in fp32 (interpreter, or fp32 inputs)
     DOT_PRECISION: tl.constexpr,
 ):
@@ -136,12 +139,16 @@ def _paged_attention_kernel(
         q = q.to(tl.float32)
     q_pos = context_len + q_idx  # [BLOCK_M] absolute position: sees keys at <= q_pos
 
-    # The last query token of this tile bounds the keys any row of it may see.
+    # The last query token of this tile bounds the keys any row of it may see, and with a
+    # sliding window its first token's window the earliest.
     kv_end = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
-    num_tiles = (kv_end + TILE_N - 1) // TILE_N
-    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    end_tile = (kv_end + TILE_N - 1) // TILE_N
+    first_tile = end_tile * 0
+    if SLIDING:
+        first_tile = tl.maximum(context_len + q_tile * BLOCK_Q - sliding_window + 1, 0) // TILE_N
+    tiles_per_split = (end_tile - first_tile + NUM_SPLITS - 1) // NUM_SPLITS
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, end_tile)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
@@ -163,6 +170,8 @@ def _paged_attention_kernel(
             v = v.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
         # A row that has seen no key yet (a padding row) keeps a finite reference point.
@@ -203,7 +212,8 @@ def _merge_splits_kernel(
     rows = (token * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)  # [NUM_SPLITS]
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     m = tl.load(partial_max_ptr + rows)
-    # Split 0 always holds key 0, so the maximum is finite; empty splits weigh exp2(-inf) = 0.
+    # Some split holds the row's own key, so the maximum is finite; splits it sees nothing of
+    # (empty, or outside its sliding window) weigh exp2(-inf) = 0.
     weight = tl.exp2(m - tl.reduce(m, 0, _max))
     total = tl.reduce(tl.load(partial_sum_ptr + rows) * weight, 0, _add)
     acc = tl.load(partial_out_ptr + rows[:, None] * HEAD_DIM_PAD + offs_d[None, :])
@@ -218,8 +228,10 @@ def paged_attention_triton(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each request's queries over its paged KV.
+    """Causal attention of each request's queries over its paged KV (within `sliding_window`
+    positions of each query, if given).
 
     query: [num_tokens, num_heads, head_dim]; returns the same shape. The KV of this
     step's tokens must already be stored.
@@ -229,7 +241,8 @@ def paged_attention_triton(
     config = metadata.cache.get(key)
     if config is None:
         config = metadata.cache[key] = choose_config(query, key_cache, metadata)
-    return paged_attention_launch(query, key_cache, value_cache, metadata, scale, config)
+    return paged_attention_launch(query, key_cache, value_cache, metadata, scale, config,
+                                  sliding_window)
 
 
 def choose_config(
@@ -261,6 +274,7 @@ def paged_attention_launch(
     metadata: AttentionMetadata,
     scale: float,
     config: LaunchConfig,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """`paged_attention_triton` with explicit tile sizes (tests and benchmarks pick them)."""
     check_device(query, key_cache, value_cache, metadata.block_tables)
@@ -293,14 +307,15 @@ def paged_attention_launch(
         out, query, key_cache, value_cache,
         metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
         partial_out, partial_max, partial_sum,
-        scale * LOG2_E, metadata.num_reqs, num_heads,
+        scale * LOG2_E, sliding_window or 0, metadata.num_reqs, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         metadata.block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE_N=config.tile_n, NUM_SPLITS=num_splits, UPCAST=upcast,
+        TILE_N=config.tile_n, NUM_SPLITS=num_splits, SLIDING=bool(sliding_window),
+        UPCAST=upcast,
         DOT_PRECISION="ieee" if upcast else dot_precision(query.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -13,6 +13,10 @@
 // grouping guarantees it), so it needs no causal mask; the own blocks are masked per token.
 // A request that shares nothing is a group of one with `shared` = 0.
 //
+// A sliding window W > 0 (a per-layer setting) hides the keys more than W - 1 positions before
+// a token's own: each vector's keys are [first_key, last_key], and blocks wholly before every
+// vector's first key are not read at all.
+//
 // Contract: the same as `paged_attention_ref` for the listed requests; rows of other requests in
 // `out` are left untouched. The cache is the logical [num_blocks, block_size, num_kv_heads,
 // head_dim] view with any strides but a unit stride on head_dim (heads-major and block-major
@@ -71,6 +75,7 @@ inline void prefetch_rows(const scalar_t* p, int64_t stride, int64_t rows, int64
 // Running softmax state of the query vectors of one work item.
 struct State {
   std::vector<float> q, acc, scores, m, l;
+  std::vector<int64_t> first_key;  // sliding window: the earliest key it sees (0 without one)
   std::vector<int64_t> last_key;  // causal limit: the token's own position
 
   void resize(int64_t num_vec, int64_t dim, int64_t block_size) {
@@ -80,6 +85,7 @@ struct State {
     scores.resize((block_size + 7) / 8 * 8);  // whole eight-lane vectors
     m.resize(num_vec);
     l.resize(num_vec);
+    first_key.resize(num_vec);
     last_key.resize(num_vec);
   }
 };
@@ -104,6 +110,17 @@ inline void accumulate(float* __restrict__ acc, const float* __restrict__ p,
   }
 }
 
+// Which keys of a block (positions first..first+n-1) vector i sees: keys begin..begin+visible-1
+// of the block; false if none. Keys past the token's own position are in its future (only in
+// its last own block, `masked`); keys before its first key are outside its sliding window.
+inline bool visible_keys(const State& st, int64_t i, int64_t first, int64_t n, bool masked,
+                         int64_t& begin, int64_t& visible) {
+  begin = std::max<int64_t>(0, st.first_key[i] - first);
+  const int64_t end = masked ? std::min(n, st.last_key[i] - first + 1) : n;
+  visible = end - begin;
+  return visible > 0;
+}
+
 // Vectors [v0, v1) of `st` attend to keys first..first+n-1 of one block.
 template <int kDim, typename scalar_t>
 inline void attend_block(State& st, int64_t v0, int64_t v1, const scalar_t* kblock,
@@ -111,11 +128,12 @@ inline void attend_block(State& st, int64_t v0, int64_t v1, const scalar_t* kblo
                          int64_t dim, bool masked) {
   float* __restrict__ s = st.scores.data();  // this vector's scores, then its weights
   for (int64_t i = v0; i < v1; ++i) {
-    // Keys past the token's own position are in its future (only in its last own block).
-    const int64_t visible = masked ? std::min(n, st.last_key[i] - first + 1) : n;
-    if (visible <= 0) continue;
+    int64_t begin, visible;
+    if (!visible_keys(st, i, first, n, masked, begin, visible)) continue;
+    const scalar_t* keys = kblock + begin * kp;
+    const scalar_t* values = vblock + begin * vp;
     const float* __restrict__ q = &st.q[i * dim];
-    for (int64_t j = 0; j < visible; ++j) s[j] = dot<kDim>(q, kblock + j * kp, dim);
+    for (int64_t j = 0; j < visible; ++j) s[j] = dot<kDim>(q, keys + j * kp, dim);
     float block_max = s[0];
     for (int64_t j = 1; j < visible; ++j) block_max = std::max(block_max, s[j]);
     const float new_m = std::max(st.m[i], block_max);
@@ -132,7 +150,7 @@ inline void attend_block(State& st, int64_t v0, int64_t v1, const scalar_t* kblo
       mass += s[j];
     }
     st.l[i] += mass;
-    accumulate<kDim>(a, s, vblock, vp, visible, dim);
+    accumulate<kDim>(a, s, values, vp, visible, dim);
   }
 }
 
@@ -150,14 +168,16 @@ inline void attend_block_vec(State& st, int64_t v0, int64_t v1, const scalar_t* 
   constexpr int kVecs = kDim / 8;
   float* __restrict__ s = st.scores.data();  // this vector's scores, then its weights
   for (int64_t i = v0; i < v1; ++i) {
-    const int64_t visible = masked ? std::min(n, st.last_key[i] - first + 1) : n;
-    if (visible <= 0) continue;
+    int64_t begin, visible;
+    if (!visible_keys(st, i, first, n, masked, begin, visible)) continue;
+    const scalar_t* keys = kblock + begin * kp;
+    const scalar_t* values = vblock + begin * vp;
     __m256 q[kVecs];
     for (int c = 0; c < kVecs; ++c) q[c] = _mm256_loadu_ps(&st.q[i * kDim + 8 * c]);
     int64_t j = 0;
     for (; j + 4 <= visible; j += 4) {
       // Two chains per key (even and odd eighths): eight FMAs in flight hide their latency.
-      const scalar_t* k = kblock + j * kp;
+      const scalar_t* k = keys + j * kp;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
       for (int c = 0; c < kVecs; c += 2) {
@@ -175,7 +195,7 @@ inline void attend_block_vec(State& st, int64_t v0, int64_t v1, const scalar_t* 
     }
     for (; j < visible; ++j) {
       __m256 a = _mm256_setzero_ps();
-      const scalar_t* k = kblock + j * kp;
+      const scalar_t* k = keys + j * kp;
       for (int c = 0; c < kVecs; ++c) a = _mm256_fmadd_ps(q[c], load8(k + 8 * c), a);
       s[j] = hsum(a);
     }
@@ -204,7 +224,7 @@ inline void attend_block_vec(State& st, int64_t v0, int64_t v1, const scalar_t* 
       }
       for (j = 0; j < visible; ++j) {
         const __m256 p = _mm256_set1_ps(s[j]);
-        const scalar_t* row = vblock + j * vp + 8 * c0;
+        const scalar_t* row = values + j * vp + 8 * c0;
         for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, load8(row + 8 * c), acc[c]);
       }
       for (int c = 0; c < 8; ++c) _mm256_storeu_ps(a + 8 * (c0 + c), acc[c]);
@@ -232,7 +252,7 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
             const at::Tensor& block_tables, const at::Tensor& seq_lens,
             const at::Tensor& query_start_loc, const at::Tensor& members,
             const at::Tensor& group_starts, const at::Tensor& group_shared, double scale,
-            at::Tensor& out) {
+            int64_t window, at::Tensor& out) {
   const int64_t num_heads = query.size(1), dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t heads_per_kv = num_heads / num_kv_heads;
@@ -280,22 +300,29 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
           const scalar_t* src = q_ptr + (q_start + t) * q_tok + head * q_head;
           for (int64_t d = 0; d < dim; ++d) st.q[i * dim + d] = static_cast<float>(src[d]) * fscale;
           st.last_key[i] = lens[r] - q_len + t;
+          st.first_key[i] = window > 0 ? std::max<int64_t>(0, st.last_key[i] - window + 1) : 0;
           st.m[i] = -FLT_MAX;
           st.l[i] = 0.f;
         }
       }
       std::fill(st.acc.begin(), st.acc.begin() + num_vec * dim, 0.f);
       // The blocks in the order they are read: the shared prefix for every member's vectors at
-      // once (no mask), then each member's own blocks (causal).
+      // once (no causal mask), then each member's own blocks (causal). Blocks that end before
+      // the first key of every vector reading them (a sliding window) are skipped.
       visits.clear();
       const int32_t* first_table = tables + mine[0] * table_stride;
-      for (int64_t b = 0; b < gshared[g]; ++b) {
+      int64_t group_first_key = INT64_MAX;
+      for (int64_t i = 0; i < num_vec; ++i) {
+        group_first_key = std::min(group_first_key, st.first_key[i]);
+      }
+      for (int64_t b = group_first_key / block_size; b < gshared[g]; ++b) {
         visits.push_back({first_table[b], 0, num_vec, b * block_size, block_size, false});
       }
       for (int64_t k = 0; k < num_members; ++k) {
         const int64_t r = mine[k], s_len = lens[r];
         const int32_t* table = tables + r * table_stride;
-        for (int64_t b = gshared[g]; b * block_size < s_len; ++b) {
+        const int64_t first_own = std::max(gshared[g], st.first_key[vec_start[k]] / block_size);
+        for (int64_t b = first_own; b * block_size < s_len; ++b) {
           const int64_t first = b * block_size;
           visits.push_back({table[b], vec_start[k], vec_start[k + 1], first,
                             std::min(block_size, s_len - first), true});
@@ -332,7 +359,8 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                   const at::Tensor& members, const at::Tensor& group_starts,
-                  const at::Tensor& group_shared, const at::Tensor& out) {
+                  const at::Tensor& group_shared, int64_t window, const at::Tensor& out) {
+  TORCH_CHECK(window >= 0, "sliding_window must be >= 0 (0: none)");
   TORCH_CHECK(query.device().is_cpu(), "paged_attention_short runs on the CPU");
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4,
               "query [T, H, D] and caches [num_blocks, block_size, Hkv, D] expected");
@@ -394,20 +422,24 @@ void paged_attention_short(const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                            const at::Tensor& members, const at::Tensor& group_starts,
-                           const at::Tensor& group_shared, double scale, at::Tensor out) {
+                           const at::Tensor& group_shared, double scale, int64_t sliding_window,
+                           at::Tensor out) {
   check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, members,
-               group_starts, group_shared, out);
+               group_starts, group_shared, sliding_window, out);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_short", [&] {
     switch (query.size(2)) {
       case 64:
         return attend<64, scalar_t>(query, key_cache, value_cache, block_tables, seq_lens,
-                                    query_start_loc, members, group_starts, group_shared, scale, out);
+                                    query_start_loc, members, group_starts, group_shared, scale,
+                                    sliding_window, out);
       case 128:
         return attend<128, scalar_t>(query, key_cache, value_cache, block_tables, seq_lens,
-                                     query_start_loc, members, group_starts, group_shared, scale, out);
+                                     query_start_loc, members, group_starts, group_shared, scale,
+                                    sliding_window, out);
       default:
         return attend<0, scalar_t>(query, key_cache, value_cache, block_tables, seq_lens,
-                                   query_start_loc, members, group_starts, group_shared, scale, out);
+                                   query_start_loc, members, group_starts, group_shared, scale,
+                                    sliding_window, out);
     }
   });
 }
@@ -418,7 +450,8 @@ TORCH_LIBRARY(rollout_cpu, m) {
   m.def(
       "paged_attention_short(Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor members, "
-      "Tensor group_starts, Tensor group_shared, float scale, Tensor(a!) out) -> ()");
+      "Tensor group_starts, Tensor group_shared, float scale, int sliding_window, "
+      "Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) { m.impl("paged_attention_short", &paged_attention_short); }

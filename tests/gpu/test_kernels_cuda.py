@@ -70,7 +70,7 @@ def cuda_case(name: str, dtype: torch.dtype) -> AttentionCase:
 def reference_fp64(case: AttentionCase) -> torch.Tensor:
     exact = case.cast(torch.float64)  # SDPA's math backend: no TF32, no reduced precision
     return paged_attention_ref(exact.query, exact.key_cache, exact.value_cache, exact.metadata,
-                               exact.scale)
+                               exact.scale, exact.sliding_window)
 
 
 def assert_close(out: torch.Tensor, case: AttentionCase) -> None:
@@ -86,6 +86,17 @@ def test_attention_matches_reference(name, dtype):
     case = cuda_case(name, dtype)
     out = paged_attention_triton(case.query, case.key_cache, case.value_cache, case.metadata,
                                  case.scale)
+    assert_close(out, case)
+
+
+@pytest.mark.parametrize("window", [1, 100, 1024])
+@pytest.mark.parametrize("name", ["decode_batch", "few_long_decode", "mixed", "spec_verify"])
+def test_attention_with_a_sliding_window(name, window):
+    # Windows of one token, of a few blocks, and longer than some rows (KV splits included).
+    case = cuda_case(name, torch.bfloat16)
+    case.sliding_window = window
+    out = paged_attention_triton(case.query, case.key_cache, case.value_cache, case.metadata,
+                                 case.scale, window)
     assert_close(out, case)
 
 

@@ -110,3 +110,16 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     outputs = LLM(model_dir).generate(PROMPTS[:6], params)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_qwen2_with_attention_bias_has_no_o_proj_bias(tmp_path):
+    # Qwen2's q/k/v always carry a bias and its o_proj never does, whatever attention_bias says.
+    from rollout_engine.tiny_model import build_tiny_model
+
+    model_dir = str(build_tiny_model(tmp_path / "qwen2-bias", "qwen2", attention_bias=True))
+    llm = LLM(model_dir)
+    o_proj = llm.engine.worker.model_runner.model.model.layers[0].self_attn.o_proj
+    assert o_proj.bias is None
+    expected = hf_greedy_batch(model_dir, PROMPTS[:4], MAX_NEW_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params)] == expected

@@ -19,10 +19,13 @@ class AttentionCase:
     value_cache: torch.Tensor
     metadata: AttentionMetadata
     scale: float
+    sliding_window: int | None = None
+    """A layer's window: each token sees its own key and the window - 1 before it."""
 
     def cast(self, dtype: torch.dtype) -> AttentionCase:
         return AttentionCase(self.query.to(dtype), self.key_cache.to(dtype),
-                             self.value_cache.to(dtype), self.metadata, self.scale)
+                             self.value_cache.to(dtype), self.metadata, self.scale,
+                             self.sliding_window)
 
 
 def random_block_tables(
@@ -50,6 +53,7 @@ def make_case(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     seed: int = 0,
+    sliding_window: int | None = None,
 ) -> AttentionCase:
     """A batch whose cache is random everywhere, so reading a wrong slot changes the result."""
     assert all(0 < q <= s for q, s in zip(query_lens, seq_lens)), (query_lens, seq_lens)
@@ -63,11 +67,12 @@ def make_case(
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
     to = {"dtype": dtype, "device": device}
     return AttentionCase(query.to(**to), key_cache.to(**to), value_cache.to(**to), metadata,
-                         head_dim**-0.5)
+                         head_dim**-0.5, sliding_window)
 
 
 def naive_attention(case: AttentionCase) -> torch.Tensor:
     """Float64 attention, one query token at a time, K/V read slot by slot: [T, H, D]."""
+    window = case.sliding_window
     md = case.metadata
     query = case.query.cpu().double()
     key_cache, value_cache = case.key_cache.cpu().double(), case.value_cache.cpu().double()
@@ -82,9 +87,10 @@ def naive_attention(case: AttentionCase) -> torch.Tensor:
         k = key_cache[blocks, offsets].repeat_interleave(group, dim=1)  # [s_len, H, D]
         v = value_cache[blocks, offsets].repeat_interleave(group, dim=1)
         for i in range(q_len):
-            visible = s_len - q_len + i + 1  # the token's own position and everything before
-            scores = torch.einsum("hd,phd->hp", query[token], k[:visible]) * case.scale
-            out[token] = torch.einsum("hp,phd->hd", scores.softmax(-1), v[:visible])
+            end = s_len - q_len + i + 1  # the token's own position and everything before
+            begin = max(0, end - window) if window else 0  # within its window
+            scores = torch.einsum("hd,phd->hp", query[token], k[begin:end]) * case.scale
+            out[token] = torch.einsum("hp,phd->hd", scores.softmax(-1), v[begin:end])
             token += 1
     return out
 
@@ -119,6 +125,11 @@ CASES: dict[str, tuple[list[int], list[int], dict]] = {
     # 18-token prompt (the unbatched causal path).
     "group3": ([1, 6, 18], [30, 6, 18], {"num_heads": 6, "num_kv_heads": 2, "block_size": 8}),
 }
+
+
+# Windows for the named cases: one token, shorter than a block, a block edge (block_size 4),
+# inside the longest prompts, and longer than every sequence (then it changes nothing).
+SLIDING_WINDOWS = [1, 3, 4, 9, 100]
 
 
 def make_named_case(name: str, **overrides) -> AttentionCase:

@@ -14,6 +14,7 @@ from kernels.paged_attention_ref import (
 from tests.unit.kernel_cases import (
     ATOL,
     CASES,
+    SLIDING_WINDOWS,
     make_case,
     make_named_case,
     naive_attention,
@@ -30,6 +31,26 @@ def test_reference_matches_naive_attention(name):
     expected = naive_attention(case)
     err = (out.double() - expected).abs().max().item()
     assert err <= ATOL[torch.float32], f"{name}: max error {err}"
+
+
+@pytest.mark.parametrize("window", SLIDING_WINDOWS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_honours_a_sliding_window(name, window):
+    case = make_named_case(name, sliding_window=window)
+    out = paged_attention_ref(case.query, case.key_cache, case.value_cache, case.metadata,
+                              case.scale, window)
+    err = (out.double() - naive_attention(case)).abs().max().item()
+    assert err <= ATOL[torch.float32], f"{name}, window {window}: max error {err}"
+
+
+def test_a_window_shorter_than_the_context_changes_the_answer():
+    # The oracle itself: a window of 3 hides keys a full causal attention sees.
+    case = make_named_case("long_decode")
+    windowed = make_named_case("long_decode", sliding_window=3)
+    assert not torch.allclose(naive_attention(case), naive_attention(windowed))
+    full = paged_attention(case.query, case.key_cache, case.value_cache, case.metadata,
+                           case.scale)
+    assert not torch.allclose(full.double(), naive_attention(windowed), atol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -56,12 +77,12 @@ def test_plan_is_built_once_per_step_and_reused_across_layers():
     case = make_named_case("mixed")
     first = paged_attention_ref(case.query, case.key_cache, case.value_cache, case.metadata,
                                 case.scale)
-    plan = case.metadata.cache["ref_plan"]
+    plan = case.metadata.cache["ref_plan", None]
     # A second "layer": new queries, new cache contents, the same metadata.
     other = make_named_case("mixed", seed=5)
     second = paged_attention_ref(other.query, other.key_cache, other.value_cache,
                                  case.metadata, case.scale)
-    assert case.metadata.cache["ref_plan"] is plan
+    assert case.metadata.cache["ref_plan", None] is plan
     assert not torch.allclose(first, second)
     other.metadata = case.metadata
     assert torch.allclose(second.double(), naive_attention(other), atol=1e-5)

@@ -19,7 +19,14 @@ import kernels
 import kernels.dispatch
 from kernels.paged_attention_ref import store_kv_cache_ref
 from rollout_engine import LLM, SamplingParams
-from tests.unit.kernel_cases import ATOL, CASES, make_case, make_named_case, naive_attention
+from tests.unit.kernel_cases import (
+    ATOL,
+    CASES,
+    SLIDING_WINDOWS,
+    make_case,
+    make_named_case,
+    naive_attention,
+)
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="needs triton (pip install triton)"
@@ -84,9 +91,10 @@ def attend(kernels_ns, case, config=None):
     attention = kernels_ns.attention
     if config is None:
         return attention.paged_attention_triton(case.query, case.key_cache, case.value_cache,
-                                                case.metadata, case.scale)
+                                                case.metadata, case.scale, case.sliding_window)
     return attention.paged_attention_launch(case.query, case.key_cache, case.value_cache,
-                                            case.metadata, case.scale, config)
+                                            case.metadata, case.scale, config,
+                                            case.sliding_window)
 
 
 def assert_close(out, case, dtype):
@@ -116,6 +124,26 @@ def test_attention_tile_sizes_and_kv_splits(triton_kernels, name, block_m, tile_
     case = make_named_case(name)
     config = triton_kernels.attention.LaunchConfig(block_m, tile_n, num_splits)
     assert_close(attend(triton_kernels, case, config), case, torch.float32)
+
+
+@pytest.mark.parametrize("window", SLIDING_WINDOWS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_attention_with_a_sliding_window(triton_kernels, name, window):
+    case = make_named_case(name, sliding_window=window)
+    assert_close(attend(triton_kernels, case), case, torch.float32)
+
+
+@pytest.mark.parametrize("window", [3, 9])
+@pytest.mark.parametrize("block_m,tile_n,num_splits", [(16, 16, 1), (16, 16, 4)])
+def test_sliding_window_with_small_tiles_and_kv_splits(triton_kernels, window, block_m, tile_n,
+                                                       num_splits):
+    # Tiles and splits that begin before, inside and after a row's window; some splits are
+    # wholly outside it.
+    case = make_named_case("long_decode", sliding_window=window)
+    config = triton_kernels.attention.LaunchConfig(block_m, tile_n, num_splits)
+    assert_close(attend(triton_kernels, case, config), case, torch.float32)
+    prefill = make_case([20, 1], [37, 30], sliding_window=window, seed=3)
+    assert_close(attend(triton_kernels, prefill, config), prefill, torch.float32)
 
 
 def test_attention_bf16_with_kv_splits(triton_kernels):

@@ -13,7 +13,14 @@ from kernels import cpu_extension
 from kernels.attention_metadata import AttentionMetadata
 from kernels.paged_attention_cpu import paged_attention_cpu
 from kernels.paged_attention_ref import paged_attention_ref
-from tests.unit.kernel_cases import ATOL, CASES, make_case, make_named_case, naive_attention
+from tests.unit.kernel_cases import (
+    ATOL,
+    CASES,
+    SLIDING_WINDOWS,
+    make_case,
+    make_named_case,
+    naive_attention,
+)
 
 BLOCK_SIZE = 4
 
@@ -64,13 +71,33 @@ def test_cpu_path_matches_reference(seed, shared, use_kernel):
     expected = paged_attention_ref(query, key_cache, value_cache, metadata, 0.3)
     got = paged_attention_cpu(query, key_cache, value_cache, metadata, 0.3, use_kernel)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    plan = metadata.cache["cpu_plan"]
+    plan = metadata.cache["cpu_plan", None]
     if use_kernel:
         _, _, group_shared = plan["kernel"]
         sharing = bool((group_shared > 0).any())
     else:
         sharing = plan["shared"] is not None
     assert sharing == shared, "the shared-prefix path should be exercised"
+
+
+@pytest.mark.parametrize("window", [1, 5, 9, 30])
+@pytest.mark.parametrize("seed", range(3))
+def test_cpu_path_honours_a_sliding_window(seed, window, use_kernel):
+    # Groups sharing leading blocks, decode and verify rows and prefill chunks: windows that
+    # end inside the shared prefix, inside a member's own blocks, and beyond everything.
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    metadata = make_batch(rng, num_groups=5, shared=True)
+    key_cache, value_cache = torch.randn(2, 400, BLOCK_SIZE, 2, 8).unbind(0)
+    query = torch.randn(sum(metadata.query_lens_cpu), 4, 8)
+    expected = paged_attention_ref(query, key_cache, value_cache, metadata, 0.3, window)
+    got = paged_attention_cpu(query, key_cache, value_cache, metadata, 0.3, use_kernel,
+                              sliding_window=window)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    full = paged_attention_cpu(query, key_cache, value_cache, metadata, 0.3, use_kernel)
+    hides_keys = any(s - q + 1 > window for q, s in zip(metadata.query_lens_cpu,
+                                                        metadata.seq_lens_cpu))
+    assert torch.allclose(full, got) != hides_keys
 
 
 def test_shared_prefix_is_used_for_sibling_decodes(use_kernel):
@@ -84,7 +111,7 @@ def test_shared_prefix_is_used_for_sibling_decodes(use_kernel):
     got = paged_attention_cpu(query, key_cache, value_cache, metadata, 0.35, use_kernel)
     expected = paged_attention_ref(query, key_cache, value_cache, metadata, 0.35)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    plan = metadata.cache["cpu_plan"]
+    plan = metadata.cache["cpu_plan", None]
     if use_kernel:  # one group of all 8 rows over the 5 shared blocks
         members, group_starts, group_shared = plan["kernel"]
         assert members.tolist() == list(range(8))
@@ -142,9 +169,22 @@ def test_kernel_matches_naive_attention(name, head_dim):
     case = make_named_case(name, **({"head_dim": head_dim} if head_dim else {}))
     out = paged_attention_cpu(case.query, case.key_cache, case.value_cache, case.metadata,
                               case.scale, use_kernel=True)
-    assert case.metadata.cache["cpu_plan"]["kernel"] is not None
+    assert case.metadata.cache["cpu_plan", None]["kernel"] is not None
     err = (out.double() - naive_attention(case)).abs().max().item()
     assert err <= ATOL[torch.float32], f"{name}: max error {err}"
+
+
+@pytest.mark.parametrize("window", SLIDING_WINDOWS)
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("head_dim", [None, 64])
+def test_kernel_matches_naive_attention_with_a_sliding_window(name, head_dim, window):
+    require_kernel()
+    case = make_named_case(name, sliding_window=window,
+                           **({"head_dim": head_dim} if head_dim else {}))
+    out = paged_attention_cpu(case.query, case.key_cache, case.value_cache, case.metadata,
+                              case.scale, use_kernel=True, sliding_window=window)
+    err = (out.double() - naive_attention(case)).abs().max().item()
+    assert err <= ATOL[torch.float32], f"{name}, window {window}: max error {err}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -186,7 +226,7 @@ def test_kernel_on_sibling_samples(head_dim, block_size, peaked):
     got = paged_attention_cpu(query, key_cache, value_cache, metadata, head_dim**-0.5, True)
     expected = paged_attention_ref(query, key_cache, value_cache, metadata, head_dim**-0.5)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
-    _, _, group_shared = metadata.cache["cpu_plan"]["kernel"]
+    _, _, group_shared = metadata.cache["cpu_plan", None]["kernel"]
     assert (group_shared > 0).sum() == 3, "each prompt's samples should form a group"
 
 
@@ -244,7 +284,7 @@ def test_switched_off_kernel_leaves_the_torch_path(monkeypatch):
     case = make_named_case("long_decode")
     out = paged_attention_cpu(case.query, case.key_cache, case.value_cache, case.metadata,
                               case.scale)
-    assert case.metadata.cache["cpu_plan"]["kernel"] is None
+    assert case.metadata.cache["cpu_plan", None]["kernel"] is None
     err = (out.double() - naive_attention(case)).abs().max().item()
     assert err <= ATOL[torch.float32]
 

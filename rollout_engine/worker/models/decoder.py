@@ -1,5 +1,9 @@
 """Llama / Qwen2 / Qwen3 decoder over a paged KV cache; parameter names match the checkpoints.
 
+Layers attend over all earlier positions or, where the config says so (`layer_types` of
+"sliding_attention", as transformers derives from Qwen's `use_sliding_window` and
+`max_window_layers`), over the last `sliding_window` positions only.
+
 With tensor parallelism each rank builds the same module tree holding only its shard (see
 `parallel_layers.py`); `shard_specs()` says which slice of each checkpoint tensor that is.
 """
@@ -12,6 +16,7 @@ import torch
 from torch import nn
 
 from kernels import AttentionMetadata, paged_attention, store_kv_cache
+from rollout_engine.protocol import ModelLoadError
 from rollout_engine.worker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from rollout_engine.worker.models.parallel_layers import (
     ColumnParallelLinear,
@@ -30,26 +35,51 @@ class ArchSpec:
 
     qkv_bias: bool | None = None
     """Force q/k/v bias (Qwen2); None follows config.attention_bias."""
+    o_bias: bool | None = None
+    """Force the o_proj bias (Qwen2 has none); None follows config.attention_bias."""
     qk_norm: bool = False
     """RMSNorm of q and k per head before RoPE (Qwen3)."""
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec(),
-    "Qwen2ForCausalLM": ArchSpec(qkv_bias=True),
+    "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, o_bias=False),
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
 }
+
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def sliding_windows_of(config) -> list[int | None]:
+    """Per layer, its sliding window (None: full attention), as transformers reads the config:
+    `layer_types` when present, else `sliding_window` (if set) for every layer. ModelLoadError
+    for a layer type this decoder cannot run."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return [window] * config.num_hidden_layers
+    unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
+    if unknown or len(layer_types) != config.num_hidden_layers:
+        raise ModelLoadError(
+            f"config.layer_types must name one of {_LAYER_TYPES} for each of the "
+            f"{config.num_hidden_layers} layers; got {list(layer_types)}"
+        )
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ModelLoadError(f"config.sliding_window must be a positive integer, got {window!r}")
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
 class Attention(nn.Module):
     """Self-attention over this rank's heads (all of them at tensor_parallel_size 1)."""
 
-    def __init__(self, config, spec: ArchSpec, tp: TPGroup) -> None:
+    def __init__(self, config, spec: ArchSpec, tp: TPGroup, sliding_window: int | None) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
         shard = attention_shard(
             config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank
         )
@@ -59,6 +89,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         attn_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attn_bias if spec.qkv_bias is None else spec.qkv_bias
+        o_bias = attn_bias if spec.o_bias is None else spec.o_bias
         hidden = config.hidden_size
         q_rows = (shard.q_start * head_dim, shard.num_heads * head_dim)
         kv_rows = (shard.kv_start * head_dim, shard.num_kv_heads * head_dim)
@@ -67,7 +98,7 @@ class Attention(nn.Module):
         self.q_proj = ColumnParallelLinear(hidden, q_size, qkv_bias, q_rows, tp)
         self.k_proj = ColumnParallelLinear(hidden, kv_size, qkv_bias, kv_rows, tp)
         self.v_proj = ColumnParallelLinear(hidden, kv_size, qkv_bias, kv_rows, tp)
-        self.o_proj = RowParallelLinear(q_size, hidden, attn_bias, q_rows, tp)
+        self.o_proj = RowParallelLinear(q_size, hidden, o_bias, q_rows, tp)
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -89,15 +120,16 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, k, *rope)
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [num_blocks, bs, Hkv, D] each
         store_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
-        out = paged_attention(q, key_cache, value_cache, metadata, self.scale)  # [T, H, D]
+        out = paged_attention(q, key_cache, value_cache, metadata, self.scale,
+                              self.sliding_window)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, spec: ArchSpec, tp: TPGroup) -> None:
+    def __init__(self, config, spec: ArchSpec, tp: TPGroup, sliding_window: int | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, spec, tp)
+        self.self_attn = Attention(config, spec, tp, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, mlp_bias, tp)
@@ -113,7 +145,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, spec, tp) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, spec, tp, window) for window in sliding_windows_of(config)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

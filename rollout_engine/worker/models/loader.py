@@ -11,7 +11,11 @@ import torch
 from torch import nn
 
 from rollout_engine.protocol import ModelLoadError
-from rollout_engine.worker.models.decoder import ARCHITECTURES, DecoderForCausalLM
+from rollout_engine.worker.models.decoder import (
+    ARCHITECTURES,
+    DecoderForCausalLM,
+    sliding_windows_of,
+)
 from rollout_engine.worker.tp_group import TPGroup
 
 # Allocates a parameter's storage: (shape, dtype) -> tensor. The memory manager passes
@@ -41,6 +45,7 @@ def load_hf_config(model_dir: str):
             f"unsupported architecture {architecture!r} in {model_dir!r}; "
             f"supported: {sorted(ARCHITECTURES)}"
         )
+    sliding_windows_of(config)  # a layer type we cannot run is refused here, with the reason
     return config
 
 
