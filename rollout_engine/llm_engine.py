@@ -25,6 +25,7 @@ from rollout_engine.protocol import (
     EngineBusyError,
     EngineError,
     EngineInfo,
+    GrammarDeadEndError,
     InvalidRequestError,
     MemoryState,
     RequestOutput,
@@ -188,8 +189,9 @@ class LLMEngine:
         self.output_processor.mark_aborted(ids)
 
     def has_unfinished_requests(self) -> bool:
-        """Prompts not finished yet, or steps whose outputs have not landed: keep stepping."""
-        return len(self.output_processor) > 0 or bool(self._in_flight)
+        """Prompts not finished yet, steps whose outputs have not landed, or outputs not
+        returned yet: keep stepping."""
+        return len(self.output_processor) > 0 or bool(self._in_flight or self._landed_outputs)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -302,7 +304,8 @@ class LLMEngine:
         """Wait for the oldest step in flight and commit its tokens.
 
         If it failed, the steps after it (which read its tokens) are waited for too, and
-        every prompt they scheduled is ended: see `_fail_steps`.
+        every prompt they scheduled is ended: see `_fail_steps`. If a constraint of the step
+        dead-ended, its prompt alone is ended: see `_end_dead_ended`.
         """
         scheduler_output, future = self._in_flight[0]
         try:
@@ -332,7 +335,31 @@ class LLMEngine:
                 self.scheduler.requests_to_draft(), self.scheduler.num_running_requests
             )
             self.scheduler.update_draft_token_ids(drafts)
+        dead_ended = [r for r in updated if r.is_dead_ended]
+        if dead_ended:
+            raise self._end_dead_ended(dead_ended, updated)
         return updated
+
+    def _end_dead_ended(
+        self, dead_ended: list[Request], updated: list[Request]
+    ) -> GrammarDeadEndError:
+        """Structured outputs: the prompts of requests whose constraint allowed no token of the
+        vocabulary end (their other samples too), with an error naming only them; the step's
+        outputs, theirs included, come from the next `step()`."""
+        group_ids = self.output_processor.group_ids_of(r.request_id for r in dead_ended)
+        self._landed_outputs += self.output_processor.outputs(updated, self.weight_version)
+        self.abort_request(group_ids)
+        request = dead_ended[0]
+        logger.warning("ending %d prompts whose constraint dead-ended", len(group_ids))
+        return GrammarDeadEndError(
+            f"the structured-output constraint of request {request.request_id!r} allows no "
+            f"token of the model's vocabulary (ids below {self.limits.vocab_size}) after "
+            f"{request.num_output_tokens} output tokens, so it cannot be continued; "
+            f"{len(group_ids)} prompt(s) were ended. Change the constraint so that every "
+            f"prefix it accepts can go on with a token the model has (a special token added to "
+            f"the tokenizer past the vocabulary cannot be generated)",
+            request_ids=group_ids,
+        )
 
     def _land_all(self) -> None:
         """Land every step in flight (before memory changes under them); their outputs, and

@@ -173,6 +173,12 @@ class KVTransferError(InvalidArgumentError):
     prefilled (prefill–decode disaggregation)."""
 
 
+class GrammarDeadEndError(InvalidRequestError):
+    """A prompt's structured-output constraint allowed no token of the model's vocabulary at
+    some position (it needs an id the model cannot emit, such as a token added to the
+    tokenizer past the vocabulary); the prompt was ended (`request_ids`). Fix the constraint."""
+
+
 class EngineSleepingError(FailedPreconditionError):
     """Weights or KV cache are not ready; call `wake_up(...)` (and update weights) first."""
 
@@ -209,7 +215,7 @@ ERROR_TYPES: dict[str, type[EngineError]] = {
         InternalError, UnavailableError, UnauthenticatedError, DeadlineExceededError,
         CancelledError, InvalidRequestError, ModelLoadError, WeightUpdateError,
         EngineSleepingError, EngineBusyError, OutOfBlocksError, AdmissionError, DeviceOutOfMemoryError,
-        StepFailedError, RankFailedError, KVTransferError,
+        StepFailedError, RankFailedError, KVTransferError, GrammarDeadEndError,
     )
 }
 _ERRORS_BY_CODE: dict[str, type[EngineError]] = {

@@ -66,6 +66,9 @@ class Request:
         """Positions whose KV came, or is coming, from a remote engine instead of a forward."""
         self.grammar: RequestGrammar | None = None
         """Structured outputs: the matcher of the request's constraint (set by the engine)."""
+        self.is_dead_ended = False
+        """Structured outputs: ended ("abort") because its constraint allowed no token of the
+        model's vocabulary at its next position; the engine raises GrammarDeadEndError."""
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
 

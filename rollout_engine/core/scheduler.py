@@ -16,6 +16,7 @@ from rollout_engine.core.kv_cache_manager import KVCacheManager, cdiv
 from rollout_engine.core.kv_connector import KVConnectorScheduler
 from rollout_engine.core.request import Request, RequestStatus
 from rollout_engine.core.scheduler_output import (
+    NO_ALLOWED_TOKEN_ID,
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
     ScheduledRequest,
@@ -451,6 +452,10 @@ class Scheduler:
         self, request: Request, token_ids: list[int], logprobs: list[float] | None
     ) -> None:
         for i, token_id in enumerate(token_ids):
+            if token_id == NO_ALLOWED_TOKEN_ID:  # its grammar dead-ended: nothing to append
+                request.is_dead_ended = True
+                self._finish(request, "abort")
+                return
             request.append_output_token(token_id, logprobs[i] if logprobs else None)
             reason = self._stop_reason(request, token_id)
             if request.grammar is not None:

@@ -8,6 +8,9 @@ from rollout_engine.protocol import KVTransferParams, SamplingParams
 
 PLACEHOLDER_TOKEN_ID = -1
 """Stands for a token that a step in flight is sampling (async scheduling)."""
+NO_ALLOWED_TOKEN_ID = -2
+"""The sampler's answer at a position whose grammar bitmask allows no id of the model's
+vocabulary (structured outputs): the constraint dead-ended, and there is no token to emit."""
 
 
 @dataclass

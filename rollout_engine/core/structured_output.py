@@ -3,7 +3,11 @@
 llguidance does the grammar work (JSON Schema, regex, Lark grammars against the tokenizer's
 full vocabulary). This module decides what to compile, caches it, compiles off the engine
 thread, keeps each constrained request's matcher in step with its committed tokens, and
-fills the step's token bitmask ([positions, ceil(vocab / 32)] int32, bit set = allowed).
+fills the step's token bitmask ([positions, ceil(num_token_ids / 32)] int32, bit set = allowed).
+
+The tokenizer may know more ids than the model's vocabulary (a special token added on top of a
+checkpoint's embedding): llguidance sees them all, the sampler reads only the model's columns
+of the bitmask, so a grammar may allow such an id but it is never emitted.
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ def grammar_of(params: StructuredOutputsParams) -> str:
         alternatives = " | ".join(json.dumps(c) for c in params.choice)  # Lark string literals
         return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
     return llguidance.LLMatcher.grammar_from_lark(params.grammar)
+
+
+def num_tokenizer_ids(hf_tokenizer) -> int:
+    """1 + the largest id a Hugging Face tokenizer knows, added tokens included."""
+    return max(hf_tokenizer.get_vocab().values(), default=-1) + 1
 
 
 class RequestGrammar:
@@ -89,8 +98,11 @@ class GrammarCompiler:
         import llguidance.hf  # imports transformers (and torch): only where a tokenizer is
 
         self.vocab_size = vocab_size
+        """The model's vocabulary: the width of its logits."""
+        self.num_token_ids = max(vocab_size, num_tokenizer_ids(hf_tokenizer))
+        """The ids llguidance knows, and the bitmask's width in bits (rounded up to 32)."""
         self.tokenizer = llguidance.hf.from_tokenizer(
-            hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
+            hf_tokenizer, n_vocab=self.num_token_ids, eos_token=list(eos_token_ids) or None
         )
         self._executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="grammar-compile"
@@ -128,7 +140,7 @@ class GrammarCompiler:
     def bitmask(
         self, rows: Sequence[tuple[RequestGrammar | None, Sequence[int]]]
     ) -> np.ndarray:
-        """[positions, ceil(vocab / 32)] int32 for a step's sampled requests, each with its
+        """[positions, ceil(num_token_ids / 32)] int32 for a step's sampled requests, each with its
         drafts (`len(drafts) + 1` positions): the tokens each constrained position allows,
         every token (-1) for the others.
 
@@ -137,7 +149,7 @@ class GrammarCompiler:
         before it, so verification rejects it, and the positions after it go unmasked (their
         tokens are never kept)."""
         num_positions = sum(len(drafts) + 1 for _, drafts in rows)
-        mask = llguidance.numpy.allocate_token_bitmask(num_positions, self.vocab_size)
+        mask = llguidance.numpy.allocate_token_bitmask(num_positions, self.num_token_ids)
         position = 0
         for grammar, drafts in rows:
             if grammar is not None:

@@ -78,49 +78,104 @@ def kv_layout_key(hf_config, spec: KVCacheSpec) -> str:
 
 class KVStore:
     """Prefill side: saved KV waiting for its decode engine, each entry until it is pulled
-    or its time to live ends. /dev/shm files are unlinked at expiry and at exit."""
+    or its time to live ends. /dev/shm files are unlinked at expiry and at exit.
+
+    Expiry does not wait for the next save or pull: from the first save on, a daemon thread
+    sleeps until the earliest entry expires (or one is added) and drops what is due, so an
+    idle prefill server gives its /dev/shm back too. `close()` (or collecting the store)
+    stops it.
+    """
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
-        self._lock = threading.Lock()
-        self._tensors: dict[str, tuple[torch.Tensor, float]] = {}
-        self._files: dict[str, float] = {}  # path -> expiry
-        self._finalizer = weakref.finalize(self, unlink_all, self._files)
+        self._entries = _StoreEntries()
+        self._finalizer = weakref.finalize(self, self._entries.close)
+        self._expiry_thread: threading.Thread | None = None
 
     def put_tensor(self, transfer_id: str, tensor: torch.Tensor) -> None:
-        with self._lock:
-            self._tensors[transfer_id] = (tensor, time.monotonic() + self.ttl_s)
+        with self._entries.changed:
+            self._entries.tensors[transfer_id] = (tensor, time.monotonic() + self.ttl_s)
+            self._on_put()
 
     def put_file(self, path: str) -> None:
-        with self._lock:
-            self._files[path] = time.monotonic() + self.ttl_s
+        with self._entries.changed:
+            self._entries.files[path] = time.monotonic() + self.ttl_s
+            self._on_put()
 
     def pop(self, transfer_id: str) -> torch.Tensor | None:
         """The saved tensor, handed out once; None if unknown, pulled or expired."""
         self.expire()
-        with self._lock:
-            entry = self._tensors.pop(transfer_id, None)
+        with self._entries.changed:
+            entry = self._entries.tensors.pop(transfer_id, None)
         return None if entry is None else entry[0]
 
     def expire(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            for transfer_id in [t for t, (_, e) in self._tensors.items() if e <= now]:
-                del self._tensors[transfer_id]
-            expired = [p for p, e in self._files.items() if e <= now]
-            for path in expired:
-                del self._files[path]
-        unlink_all(expired)
+        self._entries.expire()
 
     @property
     def num_entries(self) -> int:
-        with self._lock:
-            return len(self._tensors) + len(self._files)
+        with self._entries.changed:
+            return len(self._entries.tensors) + len(self._entries.files)
 
     def close(self) -> None:
-        with self._lock:
-            self._tensors.clear()
         self._finalizer()
+        if self._expiry_thread is not None:
+            self._expiry_thread.join(timeout=5.0)  # it only has to wake up and return
+
+    def _on_put(self) -> None:
+        """Under the lock: wake the expiry thread (its earliest expiry may have changed), or
+        start it at the first save. It holds the entries, never the store."""
+        if self._expiry_thread is None:
+            self._expiry_thread = threading.Thread(
+                target=self._entries.expire_until_closed, name="kv-store-expiry", daemon=True
+            )
+            self._expiry_thread.start()
+        self._entries.changed.notify_all()
+
+
+class _StoreEntries:
+    """What a KVStore holds, shared with its expiry thread."""
+
+    def __init__(self) -> None:
+        # Reentrant: the store's finalizer (`close`) may run on a thread already holding it.
+        self.changed = threading.Condition(threading.RLock())
+        """Guards the entries; notified when one is added and at close."""
+        self.tensors: dict[str, tuple[torch.Tensor, float]] = {}  # id -> (tensor, expiry)
+        self.files: dict[str, float] = {}  # path -> expiry
+        self.is_closed = False
+
+    def expire(self) -> None:
+        """Drop every entry whose expiry (time.monotonic()) has passed; unlink its file."""
+        now = time.monotonic()
+        with self.changed:
+            for transfer_id in [t for t, (_, e) in self.tensors.items() if e <= now]:
+                del self.tensors[transfer_id]
+            expired = [p for p, e in self.files.items() if e <= now]
+            for path in expired:
+                del self.files[path]
+        unlink_all(expired)
+
+    def expire_until_closed(self) -> None:
+        """The expiry thread: asleep until the earliest entry is due, an entry is added, or
+        the store closes; never polling."""
+        while True:
+            self.expire()
+            with self.changed:
+                if self.is_closed:
+                    return
+                expiries = [e for _, e in self.tensors.values()] + list(self.files.values())
+                timeout_s = max(min(expiries) - time.monotonic(), 0.0) if expiries else None
+                self.changed.wait(timeout_s)
+
+    def close(self) -> None:
+        """Drop everything, unlink every file, stop the expiry thread."""
+        with self.changed:
+            self.is_closed = True
+            self.tensors.clear()
+            paths = list(self.files)
+            self.files.clear()
+            self.changed.notify_all()
+        unlink_all(paths)
 
 
 class KVTransfer:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rollout_engine.core.scheduler_output import NO_ALLOWED_TOKEN_ID
 from rollout_engine.protocol import SamplingParams
 from rollout_engine.worker.ragged import index_within_runs
 from rollout_engine.worker.rejection_sampler import (
@@ -142,12 +143,18 @@ def apply_repetition_penalty(
     return penalise(logits, *(torch.from_numpy(a).to(logits.device) for a in arrays))
 
 
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[P, vocab_size] bool from a bitmask [P, W] int32 (W >= ceil(vocab_size / 32)), bit j of
+    word w standing for token 32 * w + j; bits of ids >= vocab_size (tokens the tokenizer has
+    and the model cannot emit) are dropped."""
+    bits = torch.arange(32, device=device, dtype=torch.int32)
+    allowed = (bitmask.to(device, torch.int32)[:, :, None] >> bits) & 1  # [P, W, 32]
+    return allowed.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Tokens whose bit is 0 get -inf. logits [P, V]; bitmask [P, ceil(V / 32)] int32, bit j of
-    word w standing for token 32 * w + j."""
-    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = (bitmask.to(logits.device, torch.int32)[:, :, None] >> bits) & 1  # [P, W, 32]
-    allowed = allowed.reshape(bitmask.shape[0], -1)[:, : logits.shape[1]].bool()
+    """Tokens whose bit is 0 get -inf. logits [P, V]; bitmask [P, W] int32 (`allowed_tokens`)."""
+    allowed = allowed_tokens(bitmask, logits.shape[1], logits.device)
     return logits.masked_fill(~allowed, float("-inf"))
 
 
@@ -443,15 +450,21 @@ class Sampler:
         """The target's token and its logprob at every position, on the device, no sync:
         [num_positions] int64 and float32 (row i's positions are consecutive).
 
-        `token_bitmask` ([num_positions, ceil(vocab / 32)] int32, structured outputs) removes
-        the tokens a grammar forbids before anything else, so logprobs are those of the
-        constrained distribution."""
+        `token_bitmask` ([num_positions, >= ceil(vocab / 32)] int32, structured outputs)
+        removes the tokens a grammar forbids before anything else, so logprobs are those of the
+        constrained distribution. A position whose mask allows no token of the vocabulary (the
+        grammar dead-ended) yields NO_ALLOWED_TOKEN_ID with logprob -inf: never a token."""
         assert logits.dim() == 2 and logits.shape[0] == plan.num_positions, (
             f"expected logits of shape [{plan.num_positions}, vocab], got {tuple(logits.shape)}"
         )
         logits = logits.float()
+        no_token = None
         if token_bitmask is not None:
-            logits = apply_token_bitmask(logits, token_bitmask)
+            allowed = allowed_tokens(token_bitmask, logits.shape[1], logits.device)  # [P, V]
+            no_token = ~allowed.any(-1)  # [P]
+            # A dead-ended row stays unmasked: all -inf would put NaNs through the softmax,
+            # and its result is replaced below anyway.
+            logits = logits.masked_fill(~allowed & ~no_token[:, None], float("-inf"))
         if plan.any_penalty:
             logits = penalise(
                 logits, tensors["seen_positions"], tensors["seen_tokens"], tensors["penalty"]
@@ -475,6 +488,9 @@ class Sampler:
             for positions, ids, lps in parts:
                 token_ids.index_copy_(0, positions, ids)
                 logprobs.index_copy_(0, positions, lps)
+        if no_token is not None:
+            token_ids = token_ids.masked_fill(no_token, NO_ALLOWED_TOKEN_ID)
+            logprobs = logprobs.masked_fill(no_token, float("-inf"))
         return token_ids, logprobs
 
     @staticmethod

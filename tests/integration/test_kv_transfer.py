@@ -239,3 +239,24 @@ def test_save_copies_exactly_the_prompt_kv_the_blocks_hold(tiny_model_dirs):
     for i, block in enumerate(blocks):
         torch.testing.assert_close(saved[:, :, i * 4 : (i + 1) * 4], kv[:, :, block.block_id],
                                    rtol=0, atol=0)
+
+
+def test_an_idle_prefill_engine_unlinks_expired_handles(tiny_model_dirs, no_leaked_files):
+    """Nothing happens after the save (no other save, no pull): the /dev/shm file still goes
+    once its time to live ends. Before the fix it stayed until the next save or pull."""
+    ttl_s = 0.3
+    llm = LLM(str(tiny_model_dirs["llama"]), block_size=4, kv_role="prefill",
+              kv_handle_ttl_s=ttl_s)
+    try:
+        saved_before = time.monotonic()
+        (handle,) = prefill(llm, [PROMPTS[0]])
+        path = os.path.join(SHM_DIR, handle.location)
+        assert os.path.exists(path)
+        deadline = saved_before + ttl_s + 2.0
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not os.path.exists(path), f"{path} outlived its {ttl_s} s time to live"
+        assert time.monotonic() - saved_before >= ttl_s, "unlinked before its time to live"
+        assert llm.engine.kv_transfer.store.num_entries == 0
+    finally:
+        llm.shutdown()

@@ -14,15 +14,17 @@ import llguidance.numpy
 import numpy as np
 import pytest
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from rollout_engine import (
     LLM,
+    GrammarDeadEndError,
     InvalidRequestError,
     SamplingParams,
     StructuredOutputsParams,
 )
 from rollout_engine.core.structured_output import grammar_of
+from rollout_engine.tiny_model import build_tiny_model
 from tests.integration.hf_oracle import load_hf_model
 
 SCHEMA = {
@@ -280,3 +282,77 @@ def test_a_constraint_that_fails_to_compile_ends_its_prompt_only(llama_dir):
     assert [c.finish_reason for c in finals["constrained"].outputs] == ["abort", "abort"]
     assert len(finals["free"].outputs[0].token_ids) == 5
     assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+EXTRA_TOKEN = "<|extra|>"
+
+
+@pytest.fixture(scope="module")
+def extra_token_llm(tmp_path_factory):
+    """A tiny model whose tokenizer knows one id past the model's vocabulary: a special token
+    added with `add_special_tokens` and saved, as AutoTokenizer users do."""
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("extra-token"), "llama", "tiny")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": [EXTRA_TOKEN]})
+    tokenizer.save_pretrained(model_dir)
+    engine = LLM(str(model_dir))
+    vocab_size = engine.engine.limits.vocab_size
+    assert engine.tokenizer.convert_tokens_to_ids(EXTRA_TOKEN) == vocab_size, "not past the vocab"
+    yield engine
+    engine.engine.shutdown()
+
+
+@pytest.mark.parametrize("name", ["json", "regex"])
+def test_a_tokenizer_larger_than_the_vocabulary_still_constrains(extra_token_llm, name):
+    """llguidance sees every id the tokenizer has; the model emits only ids of its vocabulary.
+    Before the fix, compiling failed with llguidance's "vocab size too small; 512 vs 513"."""
+    constraint, is_valid = CONSTRAINTS[name]
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=96, seed=3,
+                            structured_outputs=constraint)
+    outputs = extra_token_llm.generate(PROMPTS, params)
+    completions = [c for o in outputs for c in o.outputs]
+    finished = [c for c in completions if c.finish_reason == "stop"]
+    assert len(finished) >= 4, [c.finish_reason for c in completions]
+    for completion in finished:
+        assert is_valid(completion.text), f"{name}: {completion.text!r}"
+    vocab_size = extra_token_llm.engine.limits.vocab_size
+    assert all(t < vocab_size for c in completions for t in c.token_ids)
+    assert all(lp <= 0.0 for c in completions for lp in c.logprobs)
+
+
+def test_a_constraint_that_dead_ends_ends_its_prompt_with_an_error_only(extra_token_llm):
+    """After "a" the grammar allows only a token the model cannot emit (an id past its
+    vocabulary): that prompt ends with GrammarDeadEndError naming it, the others in the batch
+    finish as they would. Before the fix, its samples got a garbage token with a NaN logprob."""
+    engine = extra_token_llm.engine
+    dead_end = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=8,
+                              structured_outputs=StructuredOutputsParams(
+                                  grammar=f'start: "a" {EXTRA_TOKEN}'))
+    engine.add_request("free", "hello", SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.add_request("dead", "hello", dead_end)
+    yes_no = StructuredOutputsParams(regex="(yes|no)!")
+    engine.add_request("yes-no", "hello", SamplingParams(
+        temperature=0.0, max_tokens=20, structured_outputs=yes_no))
+    finals, errors = {}, []
+    for _ in range(200):
+        try:
+            finals.update((o.request_id, o) for o in engine.step() if o.finished)
+        except GrammarDeadEndError as exc:
+            errors.append(exc)
+        if not engine.has_unfinished_requests():
+            break
+    assert [e.request_ids for e in errors] == [["dead"]], errors
+    assert "'dead/" in str(errors[0]) and "below 512" in str(errors[0]), errors[0]
+    assert len(finals["free"].outputs[0].token_ids) == 6
+    assert finals["yes-no"].outputs[0].text in ("yes!", "no!")
+    a = extra_token_llm.tokenizer.convert_tokens_to_ids("a")
+    for completion in finals["dead"].outputs:  # the forced "a", then nothing
+        assert completion.finish_reason == "abort"
+        assert completion.token_ids == [a] and completion.logprobs == [0.0], completion
+    stats = extra_token_llm.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    # Offline, `generate` raises it; the engine serves the next call.
+    with pytest.raises(GrammarDeadEndError, match="allows no token"):
+        extra_token_llm.generate(["hello"], dead_end)
+    (again,) = extra_token_llm.generate(["hello"], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(again.outputs[0].token_ids) == 3

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
+from rollout_engine.core.scheduler_output import NO_ALLOWED_TOKEN_ID
 from rollout_engine.protocol import SamplingParams
 from rollout_engine.worker.sampler import (
     Sampler,
@@ -465,6 +468,44 @@ def test_mixed_batch_keeps_row_order() -> None:
     for result, row in zip(results, rows):
         assert len(result.token_ids) == len(result.logprobs) == result.num_accepted_drafts + 1
         assert result.num_accepted_drafts <= len(row.draft_token_ids)
+
+
+def sample_masked(
+    logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor
+) -> list[SampleResult]:
+    """The sampler's call as the model runner makes it under structured outputs."""
+    sampler = Sampler()
+    plan = sampler.plan(rows, logits.shape[1])
+    tensors = {name: torch.from_numpy(a) for name, a in plan.arrays.items()}
+    return sampler.to_results(*sampler.sample_positions(logits, plan, tensors, bitmask), plan)
+
+
+def test_a_position_whose_mask_allows_no_token_yields_no_token_and_no_nan() -> None:
+    """A grammar that dead-ends: its row of the bitmask allows nothing, or only an id past the
+    model's vocabulary (a token the tokenizer added). Before the fix, the greedy row got token 0
+    with a NaN logprob."""
+    vocab_size = 64
+    rows = [
+        make_row(temperature=0.0),
+        make_row(temperature=0.0),  # dead: nothing allowed
+        make_row(seed=1, top_p=0.9),  # dead: only id 64, past the vocabulary
+        make_row(temperature=0.0, drafts=[5, 6]),  # dead after its first draft
+        make_row(seed=2),
+    ]
+    logits = random_logits(7, vocab_size, seed=11)
+    logits[3, 5] = 100.0  # the first draft is the target's token: accepted
+    bitmask = torch.full((7, 3), -1, dtype=torch.int32)  # 3 words: ids up to 95
+    bitmask[1] = 0
+    bitmask[2] = torch.tensor([0, 0, 1], dtype=torch.int32)
+    bitmask[4] = 0
+    results = sample_masked(logits, rows, bitmask)
+    assert [r.token_ids[-1] for r in results[1:3]] == [NO_ALLOWED_TOKEN_ID] * 2
+    assert results[3].token_ids == [5, NO_ALLOWED_TOKEN_ID], results[3]
+    assert not any(math.isnan(lp) for r in results for lp in r.logprobs), results
+    unmasked = sample_masked(logits, rows, torch.full((7, 3), -1, dtype=torch.int32))
+    for i in (0, 4):
+        assert results[i] == unmasked[i], "a row whose mask allows tokens is unaffected"
+    assert all(0 <= t < vocab_size for r in unmasked for t in r.token_ids)
 
 
 @pytest.mark.gpu

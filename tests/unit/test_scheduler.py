@@ -9,6 +9,7 @@ import pytest
 from rollout_engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from rollout_engine.core.request import RequestStatus
 from rollout_engine.core.scheduler import Scheduler
+from rollout_engine.core.scheduler_output import NO_ALLOWED_TOKEN_ID
 from rollout_engine.protocol import InvalidRequestError, OutOfBlocksError
 from tests.unit.factories import (
     FakeModelRunner,
@@ -294,6 +295,30 @@ def test_stop_token_ids_stop_even_with_ignore_eos() -> None:
     run_until_done(scheduler, runner)
     assert request.finish_reason == "stop"
     assert request.output_token_ids == expected_outputs("r", 8, 3)
+
+
+def test_a_position_without_an_allowed_token_ends_only_its_request() -> None:
+    """The sampler's NO_ALLOWED_TOKEN_ID (a constraint that dead-ended) is never appended: the
+    request ends as "abort", marked for the engine to raise; the others go on."""
+
+    def dead_end_at_third_output(request_id: str, position: int) -> int:
+        if request_id == "dead" and position == 8 + 2:
+            return NO_ALLOWED_TOKEN_ID
+        return token_for(request_id, position)
+
+    scheduler = make_scheduler(eos_token_ids=[EOS])
+    runner = FakeModelRunner(scheduler, token_fn=dead_end_at_third_output)
+    dead = make_request("dead", num_prompt_tokens=8, max_tokens=10)
+    other = make_request("other", num_prompt_tokens=8, max_tokens=10)
+    scheduler.add_request(dead)
+    scheduler.add_request(other)
+    run_until_done(scheduler, runner)
+    assert dead.finish_reason == "abort" and dead.is_dead_ended
+    assert dead.output_token_ids == expected_outputs("dead", 8, 2)
+    assert len(dead.output_logprobs) == 2
+    assert other.finish_reason == "length" and not other.is_dead_ended
+    assert other.output_token_ids == expected_outputs("other", 8, 10)
+    assert scheduler.num_free_blocks == scheduler.num_blocks
 
 
 @pytest.mark.parametrize("use_stop_token_ids", [False, True])
