@@ -10,7 +10,12 @@ from tqdm.auto import tqdm
 
 from rollout_engine.config import EngineConfig
 from rollout_engine.llm_engine import LLMEngine
-from rollout_engine.protocol import InvalidRequestError, RequestOutput, SamplingParams
+from rollout_engine.protocol import (
+    InvalidRequestError,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:
     from memory import MemoryEventLog
@@ -50,7 +55,7 @@ class LLM:
         request_ids = [f"gen-{next(self._ids)}" for _ in prompts]
         try:
             for request_id, prompt, p in zip(request_ids, prompts, params):
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, RequestOutputKind.FINAL_ONLY)
             outputs = self._run(request_ids, sum(p.n for p in params), use_tqdm)
             self._drain()  # async scheduling: a step launched after the last output lands
             return outputs

@@ -29,6 +29,7 @@ from rollout_engine.protocol import (
     InvalidRequestError,
     MemoryState,
     RequestOutput,
+    RequestOutputKind,
     SamplingParams,
     SleepLevel,
     SleepMode,
@@ -134,9 +135,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(
-        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
-        """Queue `sampling_params.n` completions of one prompt; bad input raises at once."""
+        """Queue `sampling_params.n` completions of one prompt; bad input raises at once.
+        `output_kind`: what the prompt's outputs from `step()` carry (see RequestOutputKind)."""
         if request_id in self.output_processor:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not isinstance(sampling_params, SamplingParams):
@@ -154,7 +160,7 @@ class LLMEngine:
 
             # A bad schema or regex is refused here, before any child is added.
             compiled = self._grammars().compile(sampling_params.structured_outputs)
-        group = RequestGroup(request_id, text, token_ids)
+        group = RequestGroup(request_id, text, token_ids, output_kind=output_kind)
         for j in range(sampling_params.n):
             child = Request(
                 f"{request_id}/{j}", token_ids, sampling_params, group_id=request_id, sample_index=j

@@ -1,4 +1,10 @@
-"""The `n` sampled requests of each prompt, and the RequestOutputs made from them."""
+"""The `n` sampled requests of each prompt, and the RequestOutputs made from them.
+
+Per step, the work done here is proportional to what the step produced: the prompts that got
+tokens are found from the step's updated requests, and a prompt's output copies only what its
+output kind asks for (nothing until it finishes for FINAL_ONLY, the new tokens for DELTA).
+Only CUMULATIVE outputs copy every token so far, at every step.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from rollout_engine.core.request import Request
-from rollout_engine.protocol import CompletionOutput, RequestOutput
+from rollout_engine.protocol import CompletionOutput, RequestOutput, RequestOutputKind
 
 
 @dataclass
@@ -17,6 +23,12 @@ class RequestGroup:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[Request] = field(default_factory=list)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    num_sent_tokens: list[int] = field(default_factory=list)
+    """DELTA: per sample, how many of its tokens earlier outputs carried."""
+    num_sent_logprobs: list[int] = field(default_factory=list)
+    sent_finished: list[bool] = field(default_factory=list)
+    """Per sample, whether an earlier output already reported it finished."""
 
     @property
     def is_finished(self) -> bool:
@@ -35,6 +47,10 @@ class OutputProcessor:
         self._groups: dict[str, RequestGroup] = {}
         self._group_of: dict[str, str] = {}  # child request id -> group request id
         self._aborted: dict[str, None] = {}  # groups whose final output is owed, in order
+        self.num_token_ids_copied = 0
+        """Token ids copied into outputs since start: the host work outputs cost."""
+        self.num_finished_tokens = 0
+        """Output tokens of the completions that finished since start."""
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._groups
@@ -48,6 +64,10 @@ class OutputProcessor:
         return list(self._groups)
 
     def add(self, group: RequestGroup) -> None:
+        num_children = len(group.children)
+        group.num_sent_tokens = [0] * num_children
+        group.num_sent_logprobs = [0] * num_children
+        group.sent_finished = [False] * num_children
         self._groups[group.request_id] = group
         self._group_of.update((child.request_id, group.request_id) for child in group.children)
 
@@ -68,40 +88,62 @@ class OutputProcessor:
         self._aborted.update((gid, None) for gid in group_ids if gid in self._groups)
 
     def outputs(self, updated: Iterable[Request], weight_version: int) -> list[RequestOutput]:
-        """Outputs of the prompts whose requests got tokens or finished, then of aborted ones.
+        """Outputs of the prompts whose requests got tokens or finished, then of aborted ones
+        (FINAL_ONLY prompts only once all their samples finished).
 
         A prompt's output is final once all its requests finished; it is then forgotten.
         """
         group_ids = dict.fromkeys(self._group_of[r.request_id] for r in updated)
         group_ids.update(self._aborted)
         self._aborted.clear()
-        return [self._output(gid, weight_version) for gid in group_ids if gid in self._groups]
+        outputs = []
+        for gid in group_ids:
+            group = self._groups.get(gid)
+            if group is None or (
+                group.output_kind is RequestOutputKind.FINAL_ONLY and not group.is_finished
+            ):
+                continue
+            outputs.append(self._output(group, weight_version))
+        return outputs
 
     def final_outputs(self, group_ids: Iterable[str], weight_version: int) -> list[RequestOutput]:
         """Outputs of finished groups now (not at the next `outputs()`), in the order given."""
         group_ids = [gid for gid in group_ids if gid in self._groups]
         for gid in group_ids:
             self._aborted.pop(gid, None)
-        return [self._output(gid, weight_version) for gid in group_ids]
+        return [self._output(self._groups[gid], weight_version) for gid in group_ids]
 
-    def _output(self, group_id: str, weight_version: int) -> RequestOutput:
-        group = self._groups[group_id]
-        outputs = [self._completion(child, weight_version) for child in group.children]
+    def _output(self, group: RequestGroup, weight_version: int) -> RequestOutput:
+        outputs = [self._completion(group, j, weight_version) for j in range(len(group.children))]
         output = RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.prompt)
         if output.finished:
-            del self._groups[group_id]
+            del self._groups[group.request_id]
             for child in group.children:
                 del self._group_of[child.request_id]
         return output
 
-    def _completion(self, request: Request, weight_version: int) -> CompletionOutput:
+    def _completion(self, group: RequestGroup, j: int, weight_version: int) -> CompletionOutput:
+        request = group.children[j]
+        newly_finished = request.is_finished and not group.sent_finished[j]
+        group.sent_finished[j] = request.is_finished
+        if newly_finished:
+            self.num_finished_tokens += request.num_output_tokens
+        first_token = first_logprob = 0
+        with_text = request.is_finished
+        if group.output_kind is RequestOutputKind.DELTA:
+            first_token, first_logprob = group.num_sent_tokens[j], group.num_sent_logprobs[j]
+            group.num_sent_tokens[j] = request.num_output_tokens
+            group.num_sent_logprobs[j] = len(request.output_logprobs)
+            with_text = newly_finished  # once, with the sample's last tokens
+        token_ids = request.output_token_ids[first_token:]
+        self.num_token_ids_copied += len(token_ids)
         text = ""
-        if request.is_finished and request.sampling_params.detokenize:
+        if with_text and request.sampling_params.detokenize:
             text = self._decode(request.output_token_ids)
         return CompletionOutput(
             index=request.sample_index,
-            token_ids=list(request.output_token_ids),
-            logprobs=list(request.output_logprobs),
+            token_ids=token_ids,
+            logprobs=request.output_logprobs[first_logprob:],
             finish_reason=request.finish_reason,
             text=text,
             weight_version=weight_version,

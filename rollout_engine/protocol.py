@@ -38,6 +38,19 @@ SLEEP_MODES: tuple[str, ...] = ("abort", "wait")
 GREEDY_EPSILON = 1e-5
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What the outputs of a prompt carry as it progresses (vLLM's kinds)."""
+
+    CUMULATIVE = 0
+    """Every output has every token so far: each costs what was generated so far."""
+    DELTA = 1
+    """Every output has the tokens (and logprobs) new since the previous one, for every
+    sample; a sample's finish reason and text come once, with its last tokens (streams)."""
+    FINAL_ONLY = 2
+    """One output, when every sample has finished, with all of them (`LLM.generate`,
+    GenerateBatch)."""
+
+
 class SleepLevel(enum.IntEnum):
     """How deeply the engine sleeps (vLLM's levels)."""
 

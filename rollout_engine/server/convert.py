@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -83,11 +84,14 @@ def completion_to_proto(completion: CompletionOutput) -> pb.CompletionOutput:
 
 
 class GenerateStreamState:
-    """What one Generate stream has sent so far, to turn cumulative outputs into deltas."""
+    """What one Generate stream has sent so far. The engine hands it DELTA outputs (or one
+    FINAL_ONLY output); a sample's tokens are gathered here so that its final message carries
+    the whole completion, at a cost per step of what the step produced."""
 
     def __init__(self, stream_deltas: bool) -> None:
         self.stream_deltas = stream_deltas
-        self._num_sent_tokens: dict[int, int] = {}
+        self._token_ids: dict[int, list[int]] = {}
+        self._logprobs: dict[int, list[float]] = {}
         self._finished: set[int] = set()
         self._sent_prompt = False
 
@@ -99,18 +103,19 @@ class GenerateStreamState:
         for completion in output.outputs:
             if completion.index in self._finished:
                 continue
+            token_ids = self._token_ids.setdefault(completion.index, [])
+            logprobs = self._logprobs.setdefault(completion.index, [])
             if completion.finished:
                 self._finished.add(completion.index)
-                message.outputs.append(completion_to_proto(completion))
+                whole = dataclasses.replace(completion, token_ids=token_ids + completion.token_ids,
+                                            logprobs=logprobs + completion.logprobs)
+                message.outputs.append(completion_to_proto(whole))
                 continue
-            start = self._num_sent_tokens.get(completion.index, 0)
-            if self.stream_deltas and len(completion.token_ids) > start:
-                message.deltas.add(
-                    index=completion.index,
-                    token_ids=completion.token_ids[start:],
-                    logprobs=completion.logprobs[start:],
-                )
-                self._num_sent_tokens[completion.index] = len(completion.token_ids)
+            if self.stream_deltas and completion.token_ids:
+                message.deltas.add(index=completion.index, token_ids=completion.token_ids,
+                                   logprobs=completion.logprobs)
+                token_ids += completion.token_ids
+                logprobs += completion.logprobs
         if self._sent_prompt and not message.deltas and not message.outputs:
             return None
         self._sent_prompt = True

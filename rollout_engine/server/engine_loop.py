@@ -20,6 +20,7 @@ from rollout_engine.protocol import (
     EngineSleepingError,
     InternalError,
     RequestOutput,
+    RequestOutputKind,
     SamplingParams,
     SleepLevel,
     StepFailedError,
@@ -35,24 +36,13 @@ T = TypeVar("T")
 class OutputSink:
     """Where the engine thread delivers one gRPC call's outputs: an asyncio queue.
 
-    With `finals_only`, an output is delivered only when one more completion has finished,
-    so a large batch costs the event loop nothing while it runs.
+    `output_kind` is what the call's prompts are added with: FINAL_ONLY costs the engine and
+    the event loop nothing until a prompt finishes; DELTA streams carry only new tokens.
     """
 
-    def __init__(self, finals_only: bool = False) -> None:
-        self.finals_only = finals_only
+    def __init__(self, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        self.output_kind = output_kind
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._num_finished: dict[str, int] = {}
-
-    def wants(self, output: RequestOutput) -> bool:
-        """Called on the engine thread."""
-        if not self.finals_only:
-            return True
-        num_finished = sum(o.finished for o in output.outputs)
-        if num_finished <= self._num_finished.get(output.request_id, 0):
-            return False
-        self._num_finished[output.request_id] = num_finished
-        return True
 
     async def get(self) -> RequestOutput:
         item = await self.queue.get()
@@ -90,7 +80,6 @@ class EngineLoop:
         self._busy_since_s: float | None = None  # monotonic start of the running step/command
         self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
         self.num_requests_total = 0
-        self.num_generated_tokens_total = 0
 
     # -------------------------------------------------------------- used from the event loop
     def start(self) -> None:
@@ -145,7 +134,7 @@ class EngineLoop:
     def counters(self) -> dict[str, int]:
         return {
             "num_requests_total": self.num_requests_total,
-            "num_generated_tokens_total": self.num_generated_tokens_total,
+            "num_generated_tokens_total": self.engine.output_processor.num_finished_tokens,
         }
 
     # ------------------------------------------------------------------ on the engine thread
@@ -233,7 +222,7 @@ class EngineLoop:
         added: list[str] = []
         try:
             for request_id, prompt, sampling_params in requests:
-                self.engine.add_request(request_id, prompt, sampling_params)
+                self.engine.add_request(request_id, prompt, sampling_params, sink.output_kind)
                 added.append(request_id)
         except Exception:
             self.engine.abort_request(added)
@@ -273,8 +262,7 @@ class EngineLoop:
             sink = self._sinks.get(output.request_id)
             if output.finished:
                 self._sinks.pop(output.request_id, None)
-                self.num_generated_tokens_total += sum(len(o.token_ids) for o in output.outputs)
-            if sink is not None and sink.wants(output):
+            if sink is not None:
                 deliveries.append((sink, output))
         if deliveries:
             self._loop.call_soon_threadsafe(_deliver, deliveries)

@@ -13,13 +13,14 @@ from protos import rollout_pb2_grpc as pb_grpc
 from rollout_engine.protocol import (
     InvalidRequestError,
     KVTransferError,
+    RequestOutputKind,
     SleepLevel,
     check_sleep_mode,
 )
 from rollout_engine.server import convert
 from rollout_engine.server.admission import Admission
 from rollout_engine.server.engine_loop import EngineLoop, OutputSink
-from rollout_engine.server.kv_transfer import pull_kv_responses
+from rollout_engine.server.pull_kv import pull_kv_responses
 from rollout_engine.server.status import streaming, unary
 from rollout_engine.server.weights import WeightUpdateReceiver
 
@@ -45,7 +46,8 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
         stream_deltas = request.stream_deltas if request.HasField("stream_deltas") else True
         state = convert.GenerateStreamState(stream_deltas)
         request_id = f"gen-{next(self._ids)}"
-        sink = OutputSink(finals_only=not stream_deltas)
+        kind = RequestOutputKind.DELTA if stream_deltas else RequestOutputKind.FINAL_ONLY
+        sink = OutputSink(kind)
         async with self.admission.admit([params]):
             finished = False
             try:
@@ -70,7 +72,7 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
         base_id = f"batch-{next(self._ids)}"
         request_ids = [f"{base_id}:{i}" for i in range(len(prompts))]
         state = convert.BatchStreamState(request_ids)
-        sink = OutputSink(finals_only=True)
+        sink = OutputSink(RequestOutputKind.FINAL_ONLY)
         async with self.admission.admit(params):
             pending = set(request_ids)
             try:

@@ -1,0 +1,71 @@
+"""Output kinds (vLLM's CUMULATIVE, DELTA, FINAL_ONLY): the same tokens whichever kind, and a
+step's output work that is proportional to what the step produced, not to everything
+generated so far (RL generates thousands of tokens per sample: cumulative copies are
+quadratic in that)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_engine import LLM, RequestOutputKind, SamplingParams
+
+PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 9, 10, 11, 12, 13]]
+PARAMS = SamplingParams(n=3, temperature=1.0, max_tokens=60, seed=2, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir))
+
+
+def run(llm: LLM, kind: RequestOutputKind):
+    """Step the engine to the end: (every output of each prompt, token ids copied into
+    outputs at each step)."""
+    engine = llm.engine
+    outputs: dict[str, list] = {}
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"{kind.name}-{i}", prompt, PARAMS, kind)
+    copied = []
+    while engine.has_unfinished_requests():
+        before = engine.output_processor.num_token_ids_copied
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).append(output)
+        copied.append(engine.output_processor.num_token_ids_copied - before)
+    return outputs, copied
+
+
+def assembled(outputs_of_prompt) -> list[list[int]]:
+    """DELTA outputs joined back into whole completions."""
+    token_ids: dict[int, list[int]] = {}
+    for output in outputs_of_prompt:
+        for completion in output.outputs:
+            token_ids.setdefault(completion.index, []).extend(completion.token_ids)
+    return [token_ids[j] for j in sorted(token_ids)]
+
+
+def test_every_kind_gives_the_same_completions(llm):
+    cumulative, _ = run(llm, RequestOutputKind.CUMULATIVE)
+    delta, _ = run(llm, RequestOutputKind.DELTA)
+    final, _ = run(llm, RequestOutputKind.FINAL_ONLY)
+    for i in range(len(PROMPTS)):
+        expected = [c.token_ids for c in cumulative[f"CUMULATIVE-{i}"][-1].outputs]
+        assert all(len(t) == 60 for t in expected)
+        assert assembled(delta[f"DELTA-{i}"]) == expected
+        (only,) = final[f"FINAL_ONLY-{i}"]  # one output, when every sample has finished
+        assert only.finished and [c.token_ids for c in only.outputs] == expected
+        last = delta[f"DELTA-{i}"][-1]
+        assert last.finished and all(c.finish_reason == "length" for c in last.outputs)
+
+
+def test_a_steps_output_work_does_not_grow_with_the_tokens_generated(llm):
+    num_samples = len(PROMPTS) * PARAMS.n
+    _, cumulative = run(llm, RequestOutputKind.CUMULATIVE)
+    _, delta = run(llm, RequestOutputKind.DELTA)
+    _, final = run(llm, RequestOutputKind.FINAL_ONLY)
+    # The counter measures what it should: cumulative outputs copy everything so far.
+    assert max(cumulative) >= num_samples * 50
+    # DELTA: one new token per sample per decode step, however long the completions are.
+    assert max(delta) <= num_samples and sum(delta) == num_samples * 60
+    # FINAL_ONLY: nothing until a prompt finishes, then its tokens once.
+    assert sum(final) == num_samples * 60
+    assert sum(c > 0 for c in final) <= len(PROMPTS)
