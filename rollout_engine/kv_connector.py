@@ -1,6 +1,6 @@
 """The KV connector as `LLMEngine` drives it (prefill–decode disaggregation): the ledger's
-half (`core.kv_connector`, in the scheduler) and the bytes' half (`worker.kv_transfer`),
-called at three points of the step loop:
+half (`core.kv_connector_scheduler`, in the scheduler) and the bytes' half
+(`worker.kv_transfer`, over `worker.kv_transports`), called at three points of the step loop:
 
 - when a request arrives: is its handle usable here (`check_request`);
 - before scheduling: write the transfers that arrived, or have failed prompts recomputed
@@ -19,6 +19,7 @@ from rollout_engine.core.scheduler import Scheduler
 from rollout_engine.core.scheduler_output import KVLoad
 from rollout_engine.protocol import KVTransferError, KVTransferParams
 from rollout_engine.worker.kv_transfer import KVTransfer, kv_layout_key
+from rollout_engine.worker.kv_transports import GrpcFetcher, fetch_cuda_ipc
 from rollout_engine.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -42,8 +43,6 @@ class EngineKVConnector:
         kv_config = config.kv_transfer_config
         if kv_config.kv_role is None:
             return None
-        from rollout_engine.server.kv_transfer import GrpcFetcher, fetch_cuda_ipc
-
         transfer = KVTransfer(
             worker.model_runner.kv_caches, worker.kv_spec,
             kv_layout_key(hf_config, worker.kv_spec), kv_config,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from rollout_engine.config import CacheConfig, RuntimeLimits, SchedulerConfig, SpeculativeConfig
 from rollout_engine.core.kv_cache_manager import KVCacheManager, cdiv
-from rollout_engine.core.kv_connector import KVConnectorScheduler
+from rollout_engine.core.kv_connector_scheduler import KVConnectorScheduler
 from rollout_engine.core.request import Request, RequestStatus
 from rollout_engine.core.scheduler_output import (
     NO_ALLOWED_TOKEN_ID,

@@ -1,5 +1,6 @@
-"""How KV bytes travel between engines on one host: a /dev/shm file, or a CUDA IPC handle
-(the gRPC stream lives with the server, `rollout_engine/server/kv_transfer.py`)."""
+"""How KV bytes travel between engines: a /dev/shm file or a CUDA IPC handle on one host, a
+gRPC stream pulled from the prefill server anywhere (its serving half is
+`rollout_engine/server/pull_kv.py`)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import base64
 import json
 import os
 import re
+import threading
+import time
 import uuid
 
 import torch
 
 from memory.shm import SHM_DIR, unlink_all
-from rollout_engine.protocol import KVTransferParams
+from rollout_engine.protocol import DEFAULT_MAX_MESSAGE_BYTES, KVTransferParams
 
 _SHM_NAME = re.compile(r"^rollout-kv-[A-Za-z0-9_\-]{1,100}$")
 
@@ -80,3 +83,75 @@ def cuda_ipc_descriptor_of(params: KVTransferParams) -> dict:
     for key in ("handle", "ref_counter_handle", "event_handle"):
         fields[key] = base64.b64decode(fields.get(key, ""))
     return fields
+
+
+# --------------------------------------------------------------------- transports: grpc
+
+
+class GrpcFetcher:
+    """Decode side of the "grpc" transport: pulls a handle's KV from the prefill server it
+    names. One channel per address, reused."""
+
+    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self._max_message_bytes = max_message_bytes
+        self._channels: dict = {}  # address -> grpc.Channel
+        self._lock = threading.Lock()
+
+    def __call__(self, params: KVTransferParams, deadline: float) -> torch.Tensor:
+        import grpc
+
+        from protos import rollout_pb2 as pb
+        from protos import rollout_pb2_grpc as pb_grpc
+
+        stub = pb_grpc.RolloutEngineStub(self._channel(params.location))
+        timeout = max(deadline - time.monotonic(), 0.001)
+        try:
+            responses = stub.PullKV(pb.PullKVRequest(transfer_id=params.transfer_id),
+                                    timeout=timeout)
+            header = next(responses)
+            data = bytearray()
+            for message in responses:
+                data += message.data
+        except grpc.RpcError as exc:
+            raise KVTransferFailed(
+                f"pulling KV from {params.location} failed: {exc.code().name}: {exc.details()}"
+            ) from None
+        except StopIteration:
+            raise KVTransferFailed(f"{params.location} sent no KV") from None
+        dtype = getattr(torch, header.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise KVTransferFailed(f"{params.location} sent KV of unknown dtype {header.dtype!r}")
+        if not data:
+            return torch.empty(0, dtype=dtype).view(tuple(header.shape))
+        return torch.frombuffer(data, dtype=dtype).view(tuple(header.shape))
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+    def _channel(self, address: str):
+        import grpc
+
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = grpc.insecure_channel(address, options=[
+                    ("grpc.max_receive_message_length", self._max_message_bytes),
+                ])
+            return channel
+
+
+def fetch_cuda_ipc(params: KVTransferParams, deadline: float) -> torch.Tensor:
+    """Decode side of the "cuda_ipc" transport: a private copy of the prefill engine's CUDA
+    tensor (raw bytes), on this process's view of the same GPU."""
+    from rollout_engine.worker.cuda_ipc import CudaIpcHandle, open_cuda_ipc_buffer
+
+    try:
+        shared = open_cuda_ipc_buffer(CudaIpcHandle(**cuda_ipc_descriptor_of(params)))
+    except Exception as exc:
+        raise KVTransferFailed(f"opening the CUDA IPC handle failed: {exc}") from exc
+    copy = shared.clone()
+    torch.cuda.current_stream(copy.device).synchronize()
+    return copy
