@@ -98,8 +98,8 @@ class RolloutEngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GenerateBatch(self, request, context):
-        """Many prompts x `n` samples (an RL rollout): each completion is streamed as soon as
-        it finishes, so a large batch never hits the message size limit.
+        """Many prompts x `n` samples (an RL rollout): a prompt's completions are streamed as
+        soon as its last sample finishes, so a large batch never hits the message size limit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -166,7 +166,8 @@ class EngineClient:
         cancel: CallCancel | None = None,
     ) -> Iterator[tuple[int, list[int], CompletionOutput]]:
         """(prompt index, prompt token ids (with a prompt's first completion only), the
-        completion) for each completion, as soon as it finishes (GenerateBatch)."""
+        completion) for each completion, as soon as its prompt's last sample finishes
+        (GenerateBatch: the engine builds a prompt's output once, when it is final)."""
         request = pb.GenerateBatchRequest(prompts=[_prompt_proto(p) for p in prompts])
         if isinstance(sampling_params, Sequence):
             request.per_prompt_sampling_params.extend(_params_proto(p) for p in sampling_params)
