@@ -6,7 +6,6 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
-from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -21,9 +20,7 @@ from rollout_engine.output_processor import OutputProcessor, RequestGroup
 from rollout_engine.processor import Processor
 from rollout_engine.protocol import (
     KV_CACHE_TAG,
-    DeviceOutOfMemoryError,
     EngineBusyError,
-    EngineError,
     EngineInfo,
     GrammarDeadEndError,
     InvalidRequestError,
@@ -37,6 +34,8 @@ from rollout_engine.protocol import (
     check_memory_tags,
     check_sleep_mode,
 )
+from rollout_engine.step_executor import FailedSteps, LandedStep, make_executor, run_here
+from rollout_engine.step_failures import dead_end_error, step_error
 from rollout_engine.worker.cpu_threads import CpuThreadPolicy
 from rollout_engine.worker.model_runner import PreparedStep
 from rollout_engine.worker.models.loader import load_hf_config
@@ -79,35 +78,12 @@ class LLMEngine:
             self.drafter = SpecDecoder(spec_config, max_model_len)
         self.output_processor = OutputProcessor(self.processor.decode)
         self._grammar_compiler: GrammarCompiler | None = None  # built at the first constraint
-        # Steps scheduled and launched whose outputs have not landed, oldest first: at most
-        # one under the synchronous loop (and it lands in the same `step()`), two under
-        # async scheduling (step N+1 is prepared while step N computes).
-        self._in_flight: deque[tuple[SchedulerOutput, concurrent.futures.Future]] = deque()
-        self._max_in_flight = 2 if self.async_scheduling else 1
-        # Which thread runs what. The synchronous loop runs everything on the caller's thread.
-        # Under async scheduling on a GPU, the forward runs on an `engine-forward` thread (it
-        # waits for the device with the GIL released) while the caller schedules the next
-        # step. On the CPU the roles swap: the forward stays on the caller's thread and the
-        # next step is scheduled on an `engine-host` thread that runs no parallel work. A
-        # forward on a second thread of ours would give OpenMP two pools of workers on the
-        # same cores, and with more workers than cores libgomp's workers sleep at every
-        # barrier instead of spinning (measured: 20% slower). On the CPU the forward runs
-        # with the engine's OpenMP thread count (`cpu_threads`); the caller's is put back.
-        self._forward_thread: concurrent.futures.ThreadPoolExecutor | None = None
-        self._host_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.cpu_threads: CpuThreadPolicy | None = None
+        """On the CPU: the forward's OpenMP thread count (fixed, or the cores left free)."""
         if self.worker.device.type == "cpu":
             self.cpu_threads = CpuThreadPolicy(_cpu_threads(config))
-        # The initializers must not hold `self`: the thread would keep the engine alive.
-        if self.async_scheduling and self.cpu_threads is not None:
-            self._host_thread = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="engine-host", initializer=_init_host_thread
-            )
-        elif self.async_scheduling:
-            self._forward_thread = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="engine-forward", initializer=_init_forward_thread,
-                initargs=(self.worker.device,),
-            )
+        self.executor = make_executor(self.async_scheduling, self.worker.device, self._run_model)
+        """Where the forward runs and what overlaps it (see step_executor.py)."""
         self._landed_outputs: list[RequestOutput] = []
         """Outputs of steps landed outside `step()` (before sleep...), returned by the next."""
         self.kv_connector = EngineKVConnector.build(
@@ -197,7 +173,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Prompts not finished yet, steps whose outputs have not landed, or outputs not
         returned yet: keep stepping."""
-        return len(self.output_processor) > 0 or bool(self._in_flight or self._landed_outputs)
+        return (
+            len(self.output_processor) > 0
+            or self.executor.num_in_flight > 0
+            or bool(self._landed_outputs)
+        )
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps launched whose outputs have not landed (at most 2, under async scheduling)."""
+        return self.executor.num_in_flight
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -211,14 +196,30 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, commit tokens; outputs of the prompts that progressed.
 
-        Under async scheduling (DESIGN "The step loop"), a step schedules and launches step
-        N+1, then waits for step N and commits its tokens, so the host's scheduling and input
-        preparation overlap the forward. The first call of a run only launches.
+        schedule -> launch -> land -> update_from_output, with the executor deciding what
+        overlaps what. Under async scheduling (DESIGN "The step loop") a step schedules and
+        launches step N+1, then lands step N, so the host's scheduling and input preparation
+        overlap the forward; the first call of a run only launches.
 
         A step whose forward or sampling raises ends the prompts it scheduled and raises; see
         `_fail_steps`. Requests it did not schedule go on at the next step.
         """
-        landed, updated = False, []
+        self._before_schedule()
+        launched = self.executor.overlap(self._schedule_and_launch)
+        updated, landed = [], False
+        if self.executor.num_in_flight and (
+            not launched or self.executor.is_full or self.executor.oldest_is_done()
+        ):
+            updated, landed = self._land(), True
+        outputs = self._landed_outputs + self.output_processor.outputs(updated, self.weight_version)
+        self._landed_outputs = []
+        if not (launched or landed or outputs) and self.has_unfinished_requests():
+            self._wait_for_progress()
+        return outputs
+
+    def _before_schedule(self) -> None:
+        """Hooks before scheduling: end requests whose constraint failed to compile, write the
+        KV transfers that arrived (prefill-decode disaggregation)."""
         if self._grammar_compiler is not None:
             failed = self.scheduler.requests_with_failed_grammars()
             if failed:  # compiling their constraint failed: they end as "abort"
@@ -226,33 +227,10 @@ class LLMEngine:
                 self.abort_request(self.output_processor.group_ids_of(failed))
         if self.kv_connector is not None:
             self.kv_connector.land_loads()
-        if self._host_thread is not None:
-            launched = self._schedule_beside_forward()
-        else:
-            launched = self._schedule_and_launch()
-        if self._in_flight and (
-            not launched
-            or len(self._in_flight) == self._max_in_flight
-            or self._in_flight[0][1].done()  # e.g. its inputs were refused: fail it now
-        ):
-            updated = self._land_oldest()
-            landed = True
-        outputs = self._landed_outputs + self.output_processor.outputs(updated, self.weight_version)
-        self._landed_outputs = []
-        if not (launched or landed or outputs) and self.has_unfinished_requests():
-            compiling = self.scheduler.compiling_grammars()
-            if compiling:  # nothing else to do: wait for a grammar (bounded, then go on)
-                compiling[0].wait(timeout_s=0.05)
-                return outputs
-            if self.kv_connector is not None and self.kv_connector.wait_for_loads(0.05):
-                return outputs  # or for a KV transfer
-            self._fail_stalled()
-        return outputs
 
     def _schedule_and_launch(self) -> bool:
         """Schedule a step if there is room in flight; launch it unless it is empty."""
-        full = len(self._in_flight) == self._max_in_flight
-        if full or not self.scheduler.has_unfinished_requests():
+        if self.executor.is_full or not self.scheduler.has_unfinished_requests():
             return False
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.kv_loads:
@@ -260,42 +238,15 @@ class LLMEngine:
         if scheduler_output.is_empty:
             self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput({}))
             return False
-        prepared = _run_here(self.worker.prepare_model_input, scheduler_output)
-        if prepared.exception() is not None:
-            future = prepared  # lands as this step's failure
-        else:
-            step = prepared.result()
-            grammars = self.scheduler.grammars_of(scheduler_output)
-            if grammars is not None:
-                step.token_bitmask = concurrent.futures.Future()
-            if self._forward_thread is not None:
-                future = self._forward_thread.submit(self._run_model, step)
-                self._compute_bitmask(step, grammars)  # while the forward runs
-            elif self._host_thread is not None:  # CPU async: the next `step()` runs it
-                self._compute_bitmask(step, grammars)
-                future = _DeferredForward(self._run_model, step)
-            else:  # the synchronous loop: run it here
-                self._compute_bitmask(step, grammars)
-                future = _run_here(self._run_model, step)
-        self._in_flight.append((scheduler_output, future))
+        prepared = run_here(self.worker.prepare_model_input, scheduler_output)
+        grammars = self.scheduler.grammars_of(scheduler_output)
+        if grammars is not None and prepared.exception() is None:
+            # Before the launch: a forward on another thread must find it and wait at sampling.
+            prepared.result().token_bitmask = concurrent.futures.Future()
+        self.executor.launch(
+            scheduler_output, prepared, lambda step: self._compute_bitmask(step, grammars)
+        )
         return True
-
-    def _schedule_beside_forward(self) -> bool:
-        """Async scheduling on the CPU: step N's forward runs on this thread while the host
-        thread schedules step N+1 and builds its inputs; both are done when this returns.
-
-        Only the host thread touches the scheduler meanwhile; the forward reads the inputs
-        prepared a step earlier. The first step of a run has nothing to overlap with.
-        """
-        forward = self._in_flight[0][1] if self._in_flight else None
-        if not isinstance(forward, _DeferredForward) or forward.done():
-            return self._schedule_and_launch()
-        host = self._host_thread.submit(self._schedule_and_launch)
-        try:
-            forward.run()  # a failure lands with the step
-        finally:
-            concurrent.futures.wait([host])  # Ctrl-C here: the scheduler is ours again first
-        return host.result()
 
     def _compute_bitmask(self, prepared: PreparedStep, grammars) -> None:
         """Structured outputs: the step's token bitmask, for its sampling to wait on."""
@@ -306,45 +257,49 @@ class LLMEngine:
         except BaseException as exc:  # noqa: BLE001 - the step fails with it
             prepared.token_bitmask.set_exception(exc)
 
-    def _land_oldest(self) -> list[Request]:
-        """Wait for the oldest step in flight and commit its tokens.
+    def _land(self) -> list[Request]:
+        """Land the oldest step in flight and commit its tokens; the requests it updated.
 
-        If it failed, the steps after it (which read its tokens) are waited for too, and
-        every prompt they scheduled is ended: see `_fail_steps`. If a constraint of the step
+        If it failed, the steps after it (which read its tokens) went with it, and every
+        prompt they scheduled is ended: see `_fail_steps`. If a constraint of the step
         dead-ended, its prompt alone is ended: see `_end_dead_ended`.
         """
-        scheduler_output, future = self._in_flight[0]
-        try:
-            if isinstance(future, _DeferredForward):
-                future.run()  # not run yet (landed by sleep...): run it now
-            runner_output = future.result()
-        except BaseException as exc:
-            concurrent.futures.wait([future])  # Ctrl-C while waiting: let the step finish
-            failed = [self._in_flight.popleft()[0]]
-            while self._in_flight:  # steps launched after it must not outlive its failure
-                later_output, later_future = self._in_flight.popleft()
-                if isinstance(later_future, _DeferredForward):
-                    later_future.discard()  # it would read the failed step's tokens
-                concurrent.futures.wait([later_future])
-                failed.append(later_output)
-            error = self._fail_steps(failed, exc)
-            if error is exc:
-                raise
-            raise error from exc
-        self._in_flight.popleft()
-        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self.kv_connector is not None:
-            self.kv_connector.save_finished_prefills()
-        if self.drafter is not None:
-            self.drafter.record(scheduler_output, runner_output)
-            drafts = self.drafter.propose(
-                self.scheduler.requests_to_draft(), self.scheduler.num_running_requests
-            )
-            self.scheduler.update_draft_token_ids(drafts)
+        landed = self.executor.land()
+        if isinstance(landed, FailedSteps):
+            error = self._fail_steps(landed.scheduler_outputs, landed.error)
+            if error is landed.error:
+                raise error
+            raise error from landed.error
+        updated = self.scheduler.update_from_output(landed.scheduler_output, landed.runner_output)
+        self._after_update(landed)
         dead_ended = [r for r in updated if r.is_dead_ended]
         if dead_ended:
             raise self._end_dead_ended(dead_ended, updated)
         return updated
+
+    def _after_update(self, landed: LandedStep) -> None:
+        """Hooks after a step's tokens are committed: save the KV of finished prefills for a
+        remote decode, and draft the next step's tokens (n-gram speculation)."""
+        if self.kv_connector is not None:
+            self.kv_connector.save_finished_prefills()
+        if self.drafter is not None:
+            self.drafter.record(landed.scheduler_output, landed.runner_output)
+            drafts = self.drafter.propose(
+                self.scheduler.requests_to_draft(), self.scheduler.num_running_requests
+            )
+            self.scheduler.update_draft_token_ids(drafts)
+
+    def _wait_for_progress(self) -> None:
+        """Nothing could be scheduled, launched or landed: wait (bounded) for a grammar to
+        compile or a KV transfer to arrive; anything else is a stall, never a request that
+        waits forever."""
+        compiling = self.scheduler.compiling_grammars()
+        if compiling:
+            compiling[0].wait(timeout_s=0.05)
+            return
+        if self.kv_connector is not None and self.kv_connector.wait_for_loads(0.05):
+            return
+        self._fail_stalled()
 
     def _end_dead_ended(
         self, dead_ended: list[Request], updated: list[Request]
@@ -355,24 +310,15 @@ class LLMEngine:
         group_ids = self.output_processor.group_ids_of(r.request_id for r in dead_ended)
         self._landed_outputs += self.output_processor.outputs(updated, self.weight_version)
         self.abort_request(group_ids)
-        request = dead_ended[0]
         logger.warning("ending %d prompts whose constraint dead-ended", len(group_ids))
-        return GrammarDeadEndError(
-            f"the structured-output constraint of request {request.request_id!r} allows no "
-            f"token of the model's vocabulary (ids below {self.limits.vocab_size}) after "
-            f"{request.num_output_tokens} output tokens, so it cannot be continued; "
-            f"{len(group_ids)} prompt(s) were ended. Change the constraint so that every "
-            f"prefix it accepts can go on with a token the model has (a special token added to "
-            f"the tokenizer past the vocabulary cannot be generated)",
-            request_ids=group_ids,
-        )
+        return dead_end_error(dead_ended[0], group_ids, self.limits.vocab_size)
 
     def _land_all(self) -> None:
         """Land every step in flight (before memory changes under them); their outputs, and
         the "abort" outputs of prompts a failed step ended, come from the next `step()`."""
-        while self._in_flight:
+        while self.executor.num_in_flight:
             try:
-                updated = self._land_oldest()
+                updated = self._land()
             except Exception as exc:  # noqa: BLE001 - its prompts are ended; the call goes on
                 logger.warning("a step in flight failed (%s: %s); its prompts were ended",
                                type(exc).__name__, exc)
@@ -380,30 +326,15 @@ class LLMEngine:
             self._landed_outputs += self.output_processor.outputs(updated, self.weight_version)
 
     def _run_model(self, prepared: PreparedStep) -> ModelRunnerOutput:
-        """The device half of a step; on the CPU with the thread count the CPU policy gives.
-
-        On the CPU it runs on the caller's thread (see `__init__`), whose own count, a
-        per-thread setting, is put back afterwards.
-        """
+        """The device half of a step; on the CPU with the thread count the CPU policy gives."""
         if self.cpu_threads is None:
             return self.worker.run_model(prepared)
-        import torch
-
-        previous, num_threads = torch.get_num_threads(), self.cpu_threads.threads()
-        if previous == num_threads:
-            return self.worker.run_model(prepared)
-        torch.set_num_threads(num_threads)
-        try:
-            return self.worker.run_model(prepared)
-        finally:
-            torch.set_num_threads(previous)
+        return self.cpu_threads.run(self.worker.run_model, prepared)
 
     def shutdown(self) -> None:
         """Stop the engine's threads (forward or host, grammar compiling) and the processes of
         the other tensor-parallel ranks; steps in flight are waited for."""
-        for thread in (self._forward_thread, self._host_thread):
-            if thread is not None:
-                thread.shutdown(wait=True)
+        self.executor.shutdown()
         self.worker.shutdown()
         if self._grammar_compiler is not None:
             self._grammar_compiler.shutdown()
@@ -430,22 +361,7 @@ class LLMEngine:
         self.abort_request(group_ids)
         for scheduler_output in scheduler_outputs:
             self.scheduler.discard_step(scheduler_output)
-        if isinstance(exc, EngineError):
-            error: BaseException = exc
-        elif _is_out_of_memory(exc):
-            error = DeviceOutOfMemoryError(
-                f"a step ran out of memory and its {len(group_ids)} prompts were ended: {exc}; "
-                "free device memory (is the trainer still holding it?) and retry"
-            )
-        elif isinstance(exc, Exception):
-            error = StepFailedError(
-                f"a step failed and its {len(group_ids)} prompts were ended: "
-                f"{type(exc).__name__}: {exc}"
-            )
-        else:
-            error = exc
-        error.request_ids = group_ids  # type: ignore[attr-defined]
-        return error
+        return step_error(exc, group_ids)
 
     def _fail_stalled(self) -> None:
         """No request can make progress: a bug, but never a request that waits forever."""
@@ -603,56 +519,6 @@ def _cpu_threads(config: EngineConfig) -> int | None:
     return cpu_threads_per_rank(config)
 
 
-def _run_here(fn, *args) -> concurrent.futures.Future:
-    """`fn(*args)` run on this thread, as a done future: its result or what it raised."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    try:
-        future.set_result(fn(*args))
-    except BaseException as exc:  # noqa: BLE001 - whoever lands the future gets it
-        future.set_exception(exc)
-    return future
-
-
-class _DeferredForward(concurrent.futures.Future):
-    """A step's forward that runs when the engine's loop says so, on the thread that says so
-    (async scheduling on the CPU: the caller's); cancelled if a step before it fails."""
-
-    def __init__(self, run_model, prepared: PreparedStep) -> None:
-        super().__init__()
-        self._run_model, self._prepared = run_model, prepared
-
-    def run(self) -> None:
-        """Run the forward unless it already ran or was cancelled; a failure is its result."""
-        if self.done() or self.running() or not self.set_running_or_notify_cancel():
-            return
-        run_model, prepared = self._run_model, self._prepared
-        self._run_model = self._prepared = None  # a landed step holds no inputs
-        try:
-            self.set_result(run_model(prepared))
-        except BaseException as exc:  # noqa: BLE001 - whoever lands the future gets it
-            self.set_exception(exc)
-
-    def discard(self) -> None:
-        """Never run it; it counts as done (cancelled) from now on."""
-        if self.cancel():
-            self.set_running_or_notify_cancel()  # `concurrent.futures.wait` sees it done
-        self._run_model = self._prepared = None
-
-
-def _init_host_thread() -> None:
-    """The CPU async loop's scheduling thread: no OpenMP pool of its own (see LLMEngine)."""
-    import torch
-
-    torch.set_num_threads(1)
-
-
-def _init_forward_thread(device) -> None:
-    if device.type == "cuda":  # the forward thread launches on the engine's GPU
-        import torch
-
-        torch.cuda.set_device(device)
-
-
 def _max_model_len(config: EngineConfig, hf_config) -> int:
     max_position_embeddings = hf_config.max_position_embeddings
     max_model_len = config.scheduler_config.max_model_len or max_position_embeddings
@@ -662,15 +528,3 @@ def _max_model_len(config: EngineConfig, hf_config) -> int:
             f"{max_position_embeddings}"
         )
     return max_model_len
-
-
-def _is_out_of_memory(exc: BaseException) -> bool:
-    """CUDA's OutOfMemoryError, or an allocator failure worded as one."""
-    import torch
-
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    message = str(exc).lower()
-    return isinstance(exc, RuntimeError) and (
-        "out of memory" in message or "can't allocate memory" in message
-    )

@@ -18,6 +18,10 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 # A busy neighbour must hold this much of a core before we give it a core.
 _BUSY_CORE_FRACTION = 0.5
@@ -102,3 +106,17 @@ class CpuThreadPolicy:
         cores_taken = math.floor(self.others_busy_cores + (1 - _BUSY_CORE_FRACTION))
         self._threads = max(1, self.max_threads - cores_taken)
         return self._threads
+
+    def run(self, fn: Callable[[T], R], arg: T) -> R:
+        """`fn(arg)` with the thread count `threads()` gives, on this thread; the thread's own
+        count (a per-thread setting) is put back afterwards."""
+        import torch
+
+        previous, num_threads = torch.get_num_threads(), self.threads()
+        if previous == num_threads:
+            return fn(arg)
+        torch.set_num_threads(num_threads)
+        try:
+            return fn(arg)
+        finally:
+            torch.set_num_threads(previous)

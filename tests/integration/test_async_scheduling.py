@@ -109,7 +109,7 @@ def test_an_abort_while_steps_are_in_flight(llama_dir):
         for output in engine.step():
             if output.finished:
                 finals[output.request_id] = output
-        in_flight = len(engine._in_flight)
+        in_flight = engine.num_steps_in_flight
         if num_tokens_at_abort is None and engine.scheduler.requests["p1/0"].num_output_tokens >= 3:
             assert in_flight == 1, "a step is in flight after every step() of a run"
             num_tokens_at_abort = [len(r.output_token_ids) for r in
@@ -138,9 +138,9 @@ def test_sleep_wake_and_update_with_a_step_in_flight(llama_dir):
         llm.engine.add_request("cut", prompts[0], greedy)
         llm.engine.step()
         llm.engine.step()
-        assert llm.engine._in_flight, "a step is in flight"
+        assert llm.engine.num_steps_in_flight, "a step is in flight"
         (aborted,) = llm.sleep(level=2)
-        assert aborted.outputs[0].finish_reason == "abort" and not llm.engine._in_flight
+        assert aborted.outputs[0].finish_reason == "abort" and not llm.engine.num_steps_in_flight
         assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
         llm.wake_up(["weights"])
         llm.update_weights(load_file(str(llama_dir / "model.safetensors")))
