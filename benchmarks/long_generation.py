@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peers import run_vllm, vllm_available, vllm_missing_note
-from workload import add_grpo_workload_args, add_model_args, make_prompts
+from workload import add_grpo_workload_args, add_model_args, left_padded, make_prompts
 
 from rollout_engine import LLM, SamplingParams
 from rollout_engine.tiny_model import build_tiny_model
@@ -113,12 +113,8 @@ def run_hf_generate(model_dir: str, prompts, args, max_tokens: int) -> Run:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    max_len = max(len(p) for p in prompts)
-    input_ids = torch.zeros(len(prompts), max_len, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for i, p in enumerate(prompts):
-        input_ids[i, max_len - len(p):] = torch.tensor(p)
-        mask[i, max_len - len(p):] = 1
+    input_ids, mask = left_padded(prompts)
+    max_len = input_ids.shape[1]
     config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                               max_new_tokens=max_tokens, num_return_sequences=args.n,
                               eos_token_id=None, pad_token_id=0)

@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peers import run_vllm, vllm_available, vllm_missing_note
-from workload import add_grpo_workload_args, add_model_args, make_prompts
+from workload import add_grpo_workload_args, add_model_args, left_padded, make_prompts
 
 from rollout_engine import LLM, SamplingParams
 from rollout_engine.tiny_model import build_tiny_model
@@ -156,12 +156,8 @@ def _generation_config(args):
 def run_hf_generate(model_dir: str, prompts, args) -> tuple[float, int]:
     """TRL's default path: left-padded batch, every prompt repeated n times."""
     model = _hf_model(model_dir, args)
-    max_len = max(len(p) for p in prompts)
-    input_ids = torch.zeros(len(prompts), max_len, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for i, p in enumerate(prompts):
-        input_ids[i, max_len - len(p):] = torch.tensor(p)
-        mask[i, max_len - len(p):] = 1
+    input_ids, mask = left_padded(prompts)
+    max_len = input_ids.shape[1]
     input_ids, mask = input_ids.to(args.device), mask.to(args.device)
     _sync(args)
     start = time.perf_counter()

@@ -32,3 +32,17 @@ def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
          for _ in range(rng.randint(args.min_prompt_len, args.max_prompt_len))]
         for _ in range(args.num_prompts)
     ]
+
+
+def left_padded(prompts: list[list[int]]):
+    """(input_ids, attention_mask) [num_prompts, longest] of one left-padded batch (pad id 0),
+    as Hugging Face `generate` takes them."""
+    import torch
+
+    max_len = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), max_len, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for i, p in enumerate(prompts):
+        input_ids[i, max_len - len(p):] = torch.tensor(p)
+        mask[i, max_len - len(p):] = 1
+    return input_ids, mask
