@@ -417,15 +417,22 @@ class LLMEngine:
         return self.worker.memory_state()
 
     def _end_requests(self, mode: SleepMode) -> list[RequestOutput]:
-        """Abort or drain every unfinished prompt; their final outputs, in arrival order."""
+        """Abort or drain every unfinished prompt; their final outputs, in arrival order (a
+        DELTA prompt's drain outputs all, its deltas before its final one: none is lost)."""
         group_ids = self.output_processor.group_ids
         if mode == "abort":
             self.abort_request(group_ids)
             return self.output_processor.final_outputs(group_ids, self.weight_version)
-        finished: dict[str, RequestOutput] = {}
+        keeps_all = {gid for gid in group_ids
+                     if self.output_processor.output_kind(gid) is RequestOutputKind.DELTA}
+        drained: dict[str, list[RequestOutput]] = {gid: [] for gid in group_ids}
         while self.has_unfinished_requests():
-            finished.update((o.request_id, o) for o in self.step() if o.finished)
-        return [finished[gid] for gid in group_ids if gid in finished]
+            for output in self.step():
+                if output.request_id in drained and (
+                    output.finished or output.request_id in keeps_all
+                ):
+                    drained[output.request_id].append(output)
+        return [o for gid in group_ids for o in drained[gid]]
 
     # ------------------------------------------------------------------ weight updates
     def update_weights(self, named_tensors: NamedTensors) -> int:

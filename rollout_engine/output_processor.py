@@ -71,6 +71,9 @@ class OutputProcessor:
         self._groups[group.request_id] = group
         self._group_of.update((child.request_id, group.request_id) for child in group.children)
 
+    def output_kind(self, group_id: str) -> RequestOutputKind:
+        return self._groups[group_id].output_kind
+
     def children_of(self, group_ids: Iterable[str]) -> list[str]:
         return [c.request_id for gid in group_ids if gid in self._groups
                 for c in self._groups[gid].children]

@@ -69,3 +69,20 @@ def test_a_steps_output_work_does_not_grow_with_the_tokens_generated(llm):
     # FINAL_ONLY: nothing until a prompt finishes, then its tokens once.
     assert sum(final) == num_samples * 60
     assert sum(c > 0 for c in final) <= len(PROMPTS)
+
+
+def test_sleep_waiting_for_delta_prompts_returns_every_delta(llm):
+    # The drain's steps run inside sleep(mode="wait"): a DELTA consumer must still get the
+    # tokens of those steps, not only the last delta.
+    engine = llm.engine
+    expected, _ = run(llm, RequestOutputKind.CUMULATIVE)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"drained-{i}", prompt, PARAMS, RequestOutputKind.DELTA)
+    first = {o.request_id: [o] for o in engine.step()}  # one step before the sleep
+    outputs = llm.sleep(level=1, mode="wait")
+    llm.wake_up()
+    for i in range(len(PROMPTS)):
+        mine = first.get(f"drained-{i}", []) + [o for o in outputs
+                                                 if o.request_id == f"drained-{i}"]
+        assert mine[-1].finished
+        assert assembled(mine) == [c.token_ids for c in expected[f"CUMULATIVE-{i}"][-1].outputs]
