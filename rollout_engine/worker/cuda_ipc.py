@@ -3,31 +3,14 @@ here (weight updates over `cuda_ipc`, and KV transfers over it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rollout_engine.protocol import WeightUpdateError
 
-
-@dataclass(frozen=True)
-class CudaIpcHandle:
-    """What a CUDA IPC handle carries: the fields of the wire's CudaIpcHandle, with its
-    defaults (a wire message works wherever this is asked for)."""
-
-    device: int = 0
-    handle: bytes = b""
-    storage_size_bytes: int = 0
-    storage_offset_bytes: int = 0
-    ref_counter_handle: bytes = b""
-    ref_counter_offset: int = 0
-    event_handle: bytes = b""
-    event_sync_required: bool = False
-    buffer_offset_bytes: int = 0
-    """Byte offset of the buffer inside the storage."""
-    buffer_num_bytes: int = 0
-    device_uuid: str = ""
-    """The GPU's UUID: ordinals differ between processes; `device` is only the fallback."""
+if TYPE_CHECKING:
+    from protos import rollout_pb2 as pb
 
 
 def local_cuda_ordinal(device_uuid: str, fallback_ordinal: int, uuids: list[str]) -> int:
@@ -42,7 +25,7 @@ def local_cuda_ordinal(device_uuid: str, fallback_ordinal: int, uuids: list[str]
     return uuids.index(device_uuid)
 
 
-def open_cuda_ipc_buffer(handle: CudaIpcHandle) -> torch.Tensor:
+def open_cuda_ipc_buffer(handle: pb.CudaIpcHandle) -> torch.Tensor:
     """Map a CUDA buffer of another process (same GPU) as a 1-D uint8 tensor."""
     if not torch.cuda.is_available():
         raise WeightUpdateError("the cuda_ipc transport needs CUDA on the server")
