@@ -333,7 +333,11 @@ class EnginePool:
         """Call `verb` on every live engine at once and wait for all: (engine, its answer) for
         each that answered. Engines that fail to answer leave; any other error is raised,
         naming its engine, once every call has settled."""
-        answers, failures = self._call_every_live(verb, *args, **kwargs)
+        return self._answered(verb, *self._call_every_live(verb, *args, **kwargs))
+
+    def _answered(self, verb: str, answers, failures) -> list[tuple[PoolMember, Any]]:
+        """The answers of a call to every live engine, unless one failed (its error, naming
+        it) or none answered (UnavailableError)."""
         if failures:
             raise _naming_engine(*failures[0])
         if not answers:
@@ -392,12 +396,7 @@ class EnginePool:
             for member, version in answers:
                 member.weight_push = self._num_pushes
                 member.weight_version = version
-        if failures:
-            raise _naming_engine(*failures[0])
-        if not answers:
-            raise UnavailableError(f"every engine failed update_weights: "
-                                   f"{self._describe_members()}")
-        return max(version for _, version in answers)
+        return max(version for _, version in self._answered("update_weights", answers, failures))
 
     # ----------------------------------------------------------------------- introspection
     def info(self) -> EngineInfo:
