@@ -60,6 +60,8 @@ def sliding_windows_of(config) -> list[int | None]:
     `layer_types` when present, else `sliding_window` (if set) for every layer. ModelLoadError
     for a layer type this decoder cannot run."""
     window = getattr(config, "sliding_window", None)
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ModelLoadError(f"config.sliding_window must be a positive integer, got {window!r}")
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:
         return [window] * config.num_hidden_layers
@@ -69,8 +71,6 @@ def sliding_windows_of(config) -> list[int | None]:
             f"config.layer_types must name one of {_LAYER_TYPES} for each of the "
             f"{config.num_hidden_layers} layers; got {list(layer_types)}"
         )
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise ModelLoadError(f"config.sliding_window must be a positive integer, got {window!r}")
     return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
