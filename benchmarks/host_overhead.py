@@ -29,15 +29,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import AttentionMetadata
-from rollout_engine.core.scheduler_output import ScheduledRequest
+from rollout_engine.core.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from rollout_engine.protocol import SamplingParams
+from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
 from rollout_engine.worker.sampler import Sampler
 from rollout_engine.worker.staging import HostStaging
-from rollout_engine.worker.step_inputs import (
-    BlockTables,
-    build_step_inputs,
-    sampling_row,
-)
+from rollout_engine.worker.step_inputs import build_step_inputs, sampling_row
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 151_936
@@ -53,28 +50,50 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def make_step(batch_size: int, context: int, num_spec: int, seed: int = 0) -> list[ScheduledRequest]:
+def first_step(
+    requests: list[tuple[str, list[int], int, int, list[int], list[int], bool, SamplingParams, int]],
+) -> tuple[PersistentBatch, list[StepRequest]]:
+    """A worker's batch holding `requests`, each scheduled for the first time, and the step's
+    requests as it hands them to `build_step_inputs`. Each is (id, committed tokens, start
+    position, positions to compute, drafts, block ids, needs sample, params, output index)."""
+    output = SchedulerOutput()
+    for request_id, tokens, start, num_tokens, drafts, blocks, needs_sample, params, num_out in (
+        requests
+    ):
+        output.new_requests.append(NewRequestData(request_id, tokens, [], params, 0))
+        output.scheduled_requests.append(ScheduledRequest(
+            request_id=request_id, start_position=start, num_tokens=num_tokens,
+            new_token_ids=[], new_block_ids=blocks, spec_token_ids=drafts,
+            needs_sample=needs_sample, num_output_tokens=num_out,
+        ))
+    batch = PersistentBatch()
+    return batch, batch.update(output)
+
+
+def make_step(
+    batch_size: int, context: int, num_spec: int, seed: int = 0
+) -> tuple[PersistentBatch, list[StepRequest]]:
     rng = random.Random(seed)
-    scheduled = []
+    requests = []
     for i in range(batch_size):
         start = context + rng.randrange(-64, 64)
-        query_len = 1 + num_spec
-        num_blocks = -(-(start + query_len) // BLOCK_SIZE)
-        scheduled.append(ScheduledRequest(
-            request_id=f"r{i}",
-            input_token_ids=[rng.randrange(VOCAB_SIZE) for _ in range(query_len)],
-            start_position=start,
-            block_ids=rng.sample(range(100_000), num_blocks),
-            num_spec_tokens=num_spec,
-            needs_sample=True,
-            sampling_params=SamplingParams(temperature=1.0, max_tokens=2048, seed=i),
-            num_output_tokens=start - 256,
+        num_blocks = -(-(start + 1 + num_spec) // BLOCK_SIZE)
+        requests.append((
+            f"r{i}",
+            [rng.randrange(VOCAB_SIZE) for _ in range(start + 1)],
+            start,
+            1 + num_spec,
+            [rng.randrange(VOCAB_SIZE) for _ in range(num_spec)],
+            rng.sample(range(100_000), num_blocks),
+            True,
+            SamplingParams(temperature=1.0, max_tokens=2048, seed=i),
+            start - 256,
         ))
-    return scheduled
+    return first_step(requests)
 
 
 def per_token_build(
-    scheduled: list[ScheduledRequest],
+    scheduled: list[StepRequest],
     sampler: Sampler,
     device: str,
     block_size: int = BLOCK_SIZE,
@@ -133,12 +152,12 @@ def main() -> None:
     print("-" * len(header))
     for num_spec in (0, args.num_speculative_tokens):
         for batch_size in args.batch_sizes:
-            scheduled = make_step(batch_size, args.context, num_spec)
+            batch, scheduled = make_step(batch_size, args.context, num_spec)
             old = time_per_step(partial(per_token_build, scheduled, sampler, args.device),
                                 args.repeats, args.device)
             new = time_per_step(
                 partial(build_step_inputs, scheduled, BLOCK_SIZE, VOCAB_SIZE, sampler, staging,
-                        BlockTables()),
+                        batch),
                 args.repeats, args.device,
             )
             name = f"decode x {batch_size}" if num_spec == 0 else f"verify {num_spec} x {batch_size}"

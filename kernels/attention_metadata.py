@@ -28,7 +28,9 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     block_tables_cpu: list[list[int]] | None = None
-    """The unpadded block tables as lists, when the builder had them (CPU planning)."""
+    """The block tables as lists, when the builder had them (CPU planning). A list may hold
+    more blocks than its request's `seq_lens` needs, and grow while the step runs (they are
+    the requests' own tables): read the first ceil(seq_len / block_size) entries only."""
     cache: dict = field(default_factory=dict)
     """Per-step plans derived from the metadata (e.g. gather indices), built on first use."""
 

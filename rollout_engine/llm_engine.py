@@ -237,6 +237,8 @@ class LLMEngine:
             self.kv_connector.start(scheduler_output.kv_loads)
         if scheduler_output.is_empty:
             self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput({}))
+            if scheduler_output.drops_requests:  # nothing to run, but the worker must know
+                self.worker.drop_requests(scheduler_output)
             return False
         prepared = run_here(self.worker.prepare_model_input, scheduler_output)
         grammars = self.scheduler.grammars_of(scheduler_output)

@@ -56,6 +56,11 @@ class Request:
         self.num_steps_in_flight = 0
         """Scheduled steps of this request whose outputs have not landed yet."""
         self.num_preemptions = 0
+        self.num_tokens_on_worker = 0
+        """How many of `all_token_ids` the worker holds (0: it does not hold the request; see
+        `SchedulerOutput.new_requests`)."""
+        self.num_blocks_on_worker = 0
+        """How many of the request's block ids the worker holds."""
         self.kv_transfer_params = sampling_params.kv_transfer_params
         """Prefill–decode disaggregation: save the prompt's KV when finished
         (`do_remote_decode`), or load it from this handle (`do_remote_prefill`). Set to None

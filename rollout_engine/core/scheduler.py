@@ -17,8 +17,8 @@ from rollout_engine.core.kv_connector_scheduler import KVConnectorScheduler
 from rollout_engine.core.request import Request, RequestStatus
 from rollout_engine.core.scheduler_output import (
     NO_ALLOWED_TOKEN_ID,
-    PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
+    NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
 )
@@ -396,32 +396,41 @@ class Scheduler:
         )
 
     def _record(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
-        """Write one request's share of the step and advance its ledger at once."""
+        """Write one request's share of the step (the worker's delta) and advance its ledger."""
         start = request.num_computed_tokens
         from_previous_step = start >= request.num_tokens
         if from_previous_step:  # async: the input is the token the step in flight samples
             assert num_new == 1 and start == request.num_tokens, request
-            input_ids = [PLACEHOLDER_TOKEN_ID]
             num_spec = 0
         else:
             num_spec = max(0, start + num_new - request.num_tokens)
             del request.spec_token_ids[num_spec:]  # drafts that did not fit are dropped
-            input_ids = request.all_token_ids[start : start + num_new - num_spec]
-            input_ids += request.spec_token_ids
+        if request.num_tokens_on_worker == 0:  # new, or resumed after a preemption
+            output.new_requests.append(NewRequestData(
+                request_id=request.request_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                sample_index=request.sample_index,
+            ))
+            new_token_ids = []
+        else:
+            new_token_ids = request.all_token_ids[request.num_tokens_on_worker :]
+        request.num_tokens_on_worker = request.num_tokens
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        new_block_ids = block_ids[request.num_blocks_on_worker :]
+        request.num_blocks_on_worker = len(block_ids)
         needs_sample = start + num_new >= request.num_tokens
         output.scheduled_requests.append(
             ScheduledRequest(
                 request_id=request.request_id,
-                input_token_ids=input_ids,
                 start_position=start,
-                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                num_spec_tokens=num_spec,
+                num_tokens=num_new,
+                new_token_ids=new_token_ids,
+                new_block_ids=new_block_ids,
+                spec_token_ids=list(request.spec_token_ids),
                 needs_sample=needs_sample,
-                sampling_params=request.sampling_params,
-                sample_index=request.sample_index,
                 num_output_tokens=request.num_output_tokens + request.num_output_placeholders,
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=request.output_token_ids,
                 input_from_previous_step=from_previous_step,
                 num_preemptions=request.num_preemptions,
             )
@@ -445,6 +454,7 @@ class Scheduler:
         request.num_output_placeholders = 0  # in-flight outputs are stale: dropped on landing
         request.spec_token_ids = []
         request.num_preemptions += 1
+        request.num_tokens_on_worker = request.num_blocks_on_worker = 0  # the worker drops it
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 

@@ -13,37 +13,58 @@ NO_ALLOWED_TOKEN_ID = -2
 vocabulary (structured outputs): the constraint dead-ended, and there is no token to emit."""
 
 
-@dataclass
-class ScheduledRequest:
-    """One request's work in a step, as the model runner needs it."""
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the worker does not hold: sent once when it is first scheduled, and again
+    when it resumes after a preemption (the worker dropped it then). Everything after that
+    comes as a `ScheduledRequest` delta."""
 
     request_id: str
-    input_token_ids: list[int]
-    """Tokens at positions [start_position, start_position + n), drafts last. With
-    `input_from_previous_step` the last one is a placeholder (`PLACEHOLDER_TOKEN_ID`)."""
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Its committed output tokens: empty for a new request, what it had generated for a
+    resumed one (its KV is recomputed over prompt and output)."""
+    sampling_params: SamplingParams
+    sample_index: int
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: the delta since the worker last heard of it.
+
+    The worker keeps each request's tokens and block table (`worker.persistent_batch`); a
+    step sends what is new, so its size does not grow with what was generated before.
+    """
+
+    request_id: str
     start_position: int
     """`num_computed_tokens` before this step: the position of the first input token."""
-    block_ids: list[int]
-    """The request's whole block table: the KV cache manager's live list, read-only here
-    (`KVCacheManager.get_block_ids` says how it changes)."""
-    num_spec_tokens: int
-    """How many of the input tokens are drafts."""
+    num_tokens: int
+    """Positions this step computes, drafts included."""
+    new_token_ids: list[int]
+    """Committed tokens the worker has not been sent (for a request already held: those
+    sampled since it was last scheduled; empty for a new or resumed one, whose tokens come
+    in `NewRequestData`)."""
+    new_block_ids: list[int]
+    """KV blocks allocated since the worker last heard (all of them for a new request)."""
+    spec_token_ids: list[int]
+    """Drafts to verify: the step's last input tokens."""
     needs_sample: bool
     """True when the input reaches the last committed token, so the step yields tokens."""
-    sampling_params: SamplingParams
-    sample_index: int = 0
     num_output_tokens: int = 0
     """The output index of the first token this step samples: committed output tokens, plus
     the placeholders of steps in flight under async scheduling."""
     input_from_previous_step: bool = False
-    """Async scheduling: the last input token is the one the previous step samples for this
+    """Async scheduling: the only input token is the one the previous step samples for this
     request; the runner reads it on the device (it is not known on the host yet)."""
     num_preemptions: int = 0
     """The request's preemption count when scheduled: an output that lands after a later
     preemption is stale and dropped."""
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
-    """References to the request's lists (read-only for the runner), for penalties."""
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """How many of the input tokens are drafts."""
+        return len(self.spec_token_ids)
 
 
 @dataclass(frozen=True)
@@ -64,13 +85,18 @@ class KVLoad:
 class SchedulerOutput:
     """Everything the model runner needs for one step; the scheduler's only message to it."""
 
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    """Requests the worker starts holding this step (new, or resumed after preemption)."""
     scheduled_requests: list[ScheduledRequest] = field(default_factory=list)
+    """The step's batch, in order: one delta per request."""
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
+    """Requests preempted by recompute this step; the worker drops them (they come back as
+    `NewRequestData`)."""
     finished_request_ids: list[str] = field(default_factory=list)
-    """Requests that ended since the last step; the runner drops their state."""
+    """Requests that ended since the last step; the worker drops them."""
     kv_loads: list[KVLoad] = field(default_factory=list)
     """KV connector metadata: transfers that this step starts. They complete in the
     background; no step reads their blocks before then."""
@@ -79,6 +105,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """No positions to compute (KV loads may still have been started)."""
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def drops_requests(self) -> bool:
+        """It tells the worker to forget requests (an empty step must still deliver it)."""
+        return bool(self.finished_request_ids or self.preempted_request_ids)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from rollout_engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from rollout_engine.worker.persistent_batch import StepRequest
 
 FAULT_INJECTION_ENV = "ROLLOUT_ENGINE_FAULT_INJECTION"
 
@@ -62,10 +62,10 @@ class FaultInjector:
         layers = model.model.layers
         return layers[len(layers) // 2].register_forward_pre_hook(self._fire)
 
-    def arm(self, scheduler_output: SchedulerOutput) -> None:
-        """Called before each forward: decide whether this step's forward fails."""
+    def arm(self, requests: list[StepRequest]) -> None:
+        """Called before each forward with the step's requests: decide whether it fails."""
         self._armed = False
-        if self.num_raised >= self.times or not self._matches(scheduler_output):
+        if self.num_raised >= self.times or not self._matches(requests):
             return
         if self.skip > 0:
             self.skip -= 1
@@ -88,14 +88,14 @@ class FaultInjector:
             )
         raise InjectedFault("injected fault")
 
-    def _matches(self, scheduler_output: SchedulerOutput) -> bool:
+    def _matches(self, requests: list[StepRequest]) -> bool:
         if self.trigger_file is not None and not os.path.exists(self.trigger_file):
             return False
-        return any(_phase_matches(self.when, r) for r in scheduler_output.scheduled_requests)
+        return any(_phase_matches(self.when, r) for r in requests)
 
 
-def _phase_matches(when: Phase, request: ScheduledRequest) -> bool:
-    num_prompt_tokens = len(request.prompt_token_ids)
+def _phase_matches(when: Phase, request: StepRequest) -> bool:
+    num_prompt_tokens = request.num_prompt_tokens
     in_prompt = request.start_position < num_prompt_tokens
     if when == "prefill":
         return in_prompt

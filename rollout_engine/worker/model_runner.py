@@ -14,9 +14,10 @@ from rollout_engine.protocol import StepFailedError
 from rollout_engine.worker.cuda_graphs import DecodeGraphs
 from rollout_engine.worker.fault_injection import FaultInjector
 from rollout_engine.worker.models.decoder import DecoderForCausalLM
+from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
 from rollout_engine.worker.sampler import Sampler
 from rollout_engine.worker.staging import HostStaging
-from rollout_engine.worker.step_inputs import BlockTables, StepInputs, build_step_inputs
+from rollout_engine.worker.step_inputs import StepInputs, build_step_inputs
 
 
 @dataclass
@@ -26,6 +27,8 @@ class PreparedStep:
     index: int
     """1, 2, ...: the order steps were prepared in (and must run in)."""
     scheduler_output: SchedulerOutput
+    requests: list[StepRequest]
+    """The step's requests as the worker holds them, in batch order."""
     inputs: StepInputs | None
     """None for an empty step."""
     token_bitmask: concurrent.futures.Future | None = None
@@ -55,7 +58,8 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(seed=seed)
         self.staging = HostStaging(self.device)
-        self.block_tables = BlockTables()
+        self.batch = PersistentBatch()
+        """Every request this runner holds, kept from the scheduler's deltas."""
         self.attention_backend = attention_backend(self.device)
         if self.attention_backend == "cpu":
             cpu_extension.available()  # build or load the CPU kernel now, not in the first step
@@ -87,16 +91,22 @@ class ModelRunner:
         """Host work of a step: its inputs, built and sent to the device. Steps must be
         prepared in the order they were scheduled, and run in that order."""
         self._num_prepared += 1
-        scheduled = scheduler_output.scheduled_requests
+        requests = self.batch.update(scheduler_output)
         step = None
-        if scheduled:
+        if requests:
             step = build_step_inputs(
-                scheduled, self.block_size, self.vocab_size, self.sampler, self.staging,
-                self.block_tables, host_block_tables=self.attention_backend == "cpu",
+                requests, self.block_size, self.vocab_size, self.sampler, self.staging,
+                self.batch, host_block_tables=self.attention_backend == "cpu",
                 previous_step=self._previous_step,
             )
             self._previous_step = step
-        return PreparedStep(self._num_prepared, scheduler_output, step)
+        return PreparedStep(self._num_prepared, scheduler_output, requests, step)
+
+    def drop_requests(self, scheduler_output: SchedulerOutput) -> None:
+        """An empty step that tells of finished or preempted requests: forget them (nothing
+        runs, so it is not a prepared step)."""
+        self.batch.drop(scheduler_output.finished_request_ids)
+        self.batch.drop(scheduler_output.preempted_request_ids)
 
     @torch.inference_mode()
     def run(self, prepared: PreparedStep) -> ModelRunnerOutput:
@@ -121,7 +131,7 @@ class ModelRunner:
                 0, step.patch_positions, tokens_of_previous_step.index_select(0, step.patch_rows)
             )
         if self.fault_injector is not None:
-            self.fault_injector.arm(prepared.scheduler_output)
+            self.fault_injector.arm(prepared.requests)
         if self._use_graphs(step):
             hidden = self.decode_graphs.run(step.input_ids, step.positions, step.metadata)
         else:

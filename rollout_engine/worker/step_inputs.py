@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kernels import AttentionMetadata
-from rollout_engine.core.scheduler_output import ScheduledRequest
+from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
 from rollout_engine.worker.ragged import index_within_runs
 from rollout_engine.worker.sampler import Sampler, SamplingPlan, SamplingRow, request_stream_seed
 from rollout_engine.worker.staging import HostStaging
@@ -54,62 +54,8 @@ class StepInputs:
         return dict(zip(self.sampled_request_ids, ends.tolist()))
 
 
-class BlockTables:
-    """Block tables kept across steps, one row per scheduled request, so a step copies only
-    the blocks allocated since the last one (O(batch) Python, not O(blocks)).
-
-    A row is valid while its request's table is the same list object (the KV cache manager
-    only appends to a live table, and starts a new list after freeing one). Rows of
-    requests missing from a step are recycled.
-    """
-
-    def __init__(self, num_rows: int = 64, num_columns: int = 64) -> None:
-        self.table = np.zeros((num_rows, num_columns), dtype=np.int32)
-        self._rows: dict[str, tuple[list[int], int, int]] = {}
-        """request id -> (its table list, row, entries written)."""
-
-    def gather(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
-        """[num_reqs, max blocks] int32: each request's table, padded with 0."""
-        previous, self._rows = self._rows, {}
-        num_blocks = np.fromiter((len(r.block_ids) for r in scheduled), np.int64, len(scheduled))
-        max_blocks = max(int(num_blocks.max(initial=0)), 1)
-        if max_blocks > self.table.shape[1]:
-            self._grow(self.table.shape[0], max(max_blocks, 2 * self.table.shape[1]))
-        rows = np.empty(len(scheduled), dtype=np.int64)
-        fresh: list[int] = []  # requests whose table this object has not seen
-        for i, req in enumerate(scheduled):
-            entry = previous.get(req.request_id)
-            if entry is None or entry[0] is not req.block_ids:
-                fresh.append(i)
-                continue
-            ids, row, written = entry
-            if written < len(ids):
-                self.table[row, written : len(ids)] = ids[written:]
-            self._rows[req.request_id] = (ids, row, len(ids))
-            rows[i] = row
-        if fresh:
-            used = {entry[1] for entry in self._rows.values()}
-            if len(used) + len(fresh) > self.table.shape[0]:
-                num_rows = max(len(used) + len(fresh), 2 * self.table.shape[0])
-                self._grow(num_rows, self.table.shape[1])
-            free_rows = (row for row in range(self.table.shape[0]) if row not in used)
-            for i, row in zip(fresh, free_rows):
-                ids = scheduled[i].block_ids
-                self.table[row, : len(ids)] = ids
-                self._rows[scheduled[i].request_id] = (ids, row, len(ids))
-                rows[i] = row
-        tables = self.table[rows, :max_blocks]  # a copy: the padding below is ours
-        tables[np.arange(max_blocks) >= num_blocks[:, None]] = 0
-        return tables
-
-    def _grow(self, num_rows: int, num_columns: int) -> None:
-        grown = np.zeros((num_rows, num_columns), dtype=np.int32)
-        grown[: self.table.shape[0], : self.table.shape[1]] = self.table
-        self.table = grown
-
-
 def host_arrays(
-    scheduled: list[ScheduledRequest], block_size: int, block_tables: BlockTables
+    scheduled: list[StepRequest], block_size: int, batch: PersistentBatch
 ) -> tuple[dict[str, np.ndarray], list[int]]:
     """Model inputs as numpy arrays, and the query lengths as a list."""
     num_reqs = len(scheduled)
@@ -123,7 +69,7 @@ def host_arrays(
     )
     req_of_token = np.repeat(np.arange(num_reqs), query_lens)  # [T]
     positions = starts[req_of_token] + index_within_runs(query_lens)  # [T]
-    tables = block_tables.gather(scheduled)
+    tables = batch.block_tables(scheduled)
     slot_mapping = (
         tables[req_of_token, positions // block_size].astype(np.int64) * block_size
         + positions % block_size
@@ -140,7 +86,7 @@ def host_arrays(
     return arrays, query_lens.tolist()
 
 
-def logits_rows(scheduled: list[ScheduledRequest], query_start_loc: np.ndarray) -> np.ndarray:
+def logits_rows(scheduled: list[StepRequest], query_start_loc: np.ndarray) -> np.ndarray:
     """Rows of the flat batch to sample: each sampling request's last committed token and
     its drafts (the last num_spec_tokens + 1 rows of its query)."""
     needs = np.fromiter((r.needs_sample for r in scheduled), bool, len(scheduled))
@@ -149,11 +95,11 @@ def logits_rows(scheduled: list[ScheduledRequest], query_start_loc: np.ndarray) 
     return np.repeat(ends - counts, counts) + index_within_runs(counts)
 
 
-def sampling_row(req: ScheduledRequest) -> SamplingRow:
+def sampling_row(req: StepRequest) -> SamplingRow:
     params = req.sampling_params
     history: list[int] = []
     if params.repetition_penalty != 1.0:
-        history = req.prompt_token_ids + req.output_token_ids
+        history = req.token_ids
     drafts = req.input_token_ids[len(req.input_token_ids) - req.num_spec_tokens :]
     seed = params.seed
     return SamplingRow(
@@ -166,22 +112,23 @@ def sampling_row(req: ScheduledRequest) -> SamplingRow:
 
 
 def build_step_inputs(
-    scheduled: list[ScheduledRequest],
+    scheduled: list[StepRequest],
     block_size: int,
     vocab_size: int,
     sampler: Sampler,
     staging: HostStaging,
-    block_tables: BlockTables,
+    batch: PersistentBatch,
     host_block_tables: bool = False,
     previous_step: StepInputs | None = None,
 ) -> StepInputs:
     """Host arrays for the forward and the sampler, moved to the device in one copy.
 
-    `host_block_tables` also hands the kernels the tables as lists (the CPU kernels plan
-    on the host; it costs O(blocks) Python). `previous_step` is the step prepared before this
+    `batch` holds the requests' block tables. `host_block_tables` also hands the kernels
+    the tables as lists (the CPU kernels plan on the host): the requests' own lists, not
+    copies. `previous_step` is the step prepared before this
     one, whose sampled tokens fill the placeholders of async scheduling.
     """
-    arrays, query_lens = host_arrays(scheduled, block_size, block_tables)
+    arrays, query_lens = host_arrays(scheduled, block_size, batch)
     arrays["logits_rows"] = logits_rows(scheduled, arrays["query_start_loc"])
     from_previous = [i for i, r in enumerate(scheduled) if r.input_from_previous_step]
     if from_previous:
@@ -206,7 +153,7 @@ def build_step_inputs(
         block_size=block_size,
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
-        block_tables_cpu=[list(r.block_ids) for r in scheduled] if host_block_tables else None,
+        block_tables_cpu=[r.block_ids for r in scheduled] if host_block_tables else None,
     )
     return StepInputs(
         input_ids=on_device["input_ids"],

@@ -114,6 +114,10 @@ class DriverWorker(Worker):
             raise self._break(exc) from exc
         return output
 
+    def drop_requests(self, scheduler_output) -> None:
+        super().drop_requests(scheduler_output)
+        self.call_ranks("drop_requests", scheduler_output)
+
     def _break(self, error: BaseException) -> BaseException:
         """Mark the group unusable and return `error`, to be raised."""
         self.tp.abort()  # ranks still waiting in a collective fail at once

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 
 RankCommand = Literal[
-    "execute", "sleep", "wake_up", "release_kv_cache", "weights_begin", "weights_write",
+    "execute", "drop_requests", "sleep", "wake_up", "release_kv_cache", "weights_begin", "weights_write",
     "weights_finish", "weights_abort", "memory_state", "shutdown",
 ]
 """What rank 0 asks of the other ranks; the arguments follow in the message."""
@@ -92,6 +92,9 @@ class RankLoop:
 
     def _execute(self, scheduler_output) -> None:
         self.worker.execute_model(scheduler_output)
+
+    def _drop_requests(self, scheduler_output) -> None:
+        self.worker.drop_requests(scheduler_output)
 
     def _sleep(self, level) -> None:
         self.worker.sleep(level)

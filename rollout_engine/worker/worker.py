@@ -119,6 +119,10 @@ class Worker:
         """The device half of a step; may run on another thread than the host half."""
         return self.model_runner.run(prepared)
 
+    def drop_requests(self, scheduler_output: SchedulerOutput) -> None:
+        """An empty step's news of finished or preempted requests (`ModelRunner.drop_requests`)."""
+        self.model_runner.drop_requests(scheduler_output)
+
     def _kv_cache_bytes(self, config: EngineConfig, hf_config, weights_bytes: int) -> int:
         cache_config, scheduler_config = config.cache_config, config.scheduler_config
         if cache_config.kv_cache_bytes is not None:

@@ -14,10 +14,10 @@ from rollout_engine.core.scheduler import Scheduler
 from rollout_engine.core.scheduler_output import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
-    ScheduledRequest,
     SchedulerOutput,
 )
 from rollout_engine.protocol import SamplingParams
+from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
 
 _SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
@@ -126,6 +126,11 @@ def token_for(request_id: str, position: int) -> int:
     return GENERATED_TOKEN_BASE + zlib.crc32(f"{request_id}@{position}".encode()) % 1_000_000
 
 
+def expected_outputs(request_id: str, num_prompt_tokens: int, num_outputs: int) -> list[int]:
+    """What the stand-in model generates after a prompt of `num_prompt_tokens`."""
+    return [token_for(request_id, num_prompt_tokens + i) for i in range(num_outputs)]
+
+
 def logprob_for(position: int) -> float:
     return -0.125 * (position % 8)
 
@@ -145,6 +150,10 @@ class FakeModelRunner:
     Under async scheduling a step may run before the previous one's outputs are committed;
     a placeholder input is resolved from what the previous step sampled for the request,
     as the real runner does on the device.
+
+    It sees the scheduler only through its deltas, as the real runner does: a
+    `PersistentBatch` rebuilds each step's requests, and every step checks that what the
+    batch holds is what the scheduler believes it sent (`check_worker_state`).
     """
 
     def __init__(
@@ -158,6 +167,8 @@ class FakeModelRunner:
         self.token_fn = token_fn
         self.num_accepted = num_accepted
         self.check_kv = check_kv
+        self.scheduler = scheduler
+        self.batch = PersistentBatch()
         self.block_size = scheduler.block_size
         num_blocks = scheduler.kv_cache_manager.num_blocks
         self.kv: list[list[int | None]] = [[None] * self.block_size for _ in range(num_blocks)]
@@ -165,17 +176,20 @@ class FakeModelRunner:
         self.num_drafts_scheduled = 0
         self.num_drafts_accepted = 0
         self._previous_step_tokens: dict[str, int] = {}
+        self.last_step: dict[str, StepRequest] = {}
+        """The requests of the last step run, by id, as the worker saw them."""
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1
-        sequences = {
-            s.request_id: self._check_inputs(s) for s in scheduler_output.scheduled_requests
-        }
+        step = self.batch.update(scheduler_output)
+        check_worker_state(self.scheduler, self.batch)
+        self.last_step = {s.request_id: s for s in step}
+        sequences = {s.request_id: self._check_inputs(s) for s in step}
         if self.check_kv:
-            self._write_kv(scheduler_output.scheduled_requests, sequences)
+            self._write_kv(step, sequences)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[float]] = {}
-        for scheduled in scheduler_output.scheduled_requests:
+        for scheduled in step:
             if not scheduled.needs_sample:
                 continue
             tokens = self._sample(scheduled)
@@ -185,9 +199,14 @@ class FakeModelRunner:
         self._previous_step_tokens = {rid: tokens[-1] for rid, tokens in sampled.items()}
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
-    def _check_inputs(self, scheduled: ScheduledRequest) -> list[int]:
+    def drop_requests(self, scheduler_output: SchedulerOutput) -> None:
+        """An empty step (not run): the worker still forgets what it finished or preempted."""
+        self.batch.drop(scheduler_output.finished_request_ids)
+        self.batch.drop(scheduler_output.preempted_request_ids)
+
+    def _check_inputs(self, scheduled: StepRequest) -> list[int]:
         """The request's tokens (committed + drafts); checks what the runner was given."""
-        committed = list(scheduled.prompt_token_ids) + list(scheduled.output_token_ids)
+        committed = list(scheduled.token_ids)
         num_spec = scheduled.num_spec_tokens
         drafts = scheduled.input_token_ids[len(scheduled.input_token_ids) - num_spec :]
         sequence = committed + drafts
@@ -198,7 +217,7 @@ class FakeModelRunner:
             rid = scheduled.request_id
             assert inputs == [PLACEHOLDER_TOKEN_ID] and num_spec == 0, scheduled
             assert rid in self._previous_step_tokens, f"{rid}: the previous step sampled nothing"
-            assert start >= len(scheduled.prompt_token_ids), scheduled
+            assert start >= scheduled.num_prompt_tokens, scheduled
             # The committed list may not have the in-flight token yet: it is at `start`.
             sequence = committed[:start] + [self._previous_step_tokens[rid]]
             inputs = sequence[start:end]
@@ -219,7 +238,7 @@ class FakeModelRunner:
         return sequence
 
     def _write_kv(
-        self, scheduled_requests: list[ScheduledRequest], sequences: dict[str, list[int]]
+        self, scheduled_requests: list[StepRequest], sequences: dict[str, list[int]]
     ) -> None:
         bs = self.block_size
         writes: dict[tuple[int, int], int] = {}
@@ -247,7 +266,7 @@ class FakeModelRunner:
                     f"(block {block_id}, start {scheduled.start_position})"
                 )
 
-    def _sample(self, scheduled: ScheduledRequest) -> list[int]:
+    def _sample(self, scheduled: StepRequest) -> list[int]:
         rid = scheduled.request_id
         num_committed = _first_sampled_position(scheduled)
         num_spec = scheduled.num_spec_tokens
@@ -267,9 +286,29 @@ class FakeModelRunner:
         return drafts[:num_ok] + [self.token_fn(rid, num_committed + num_ok)]
 
 
-def _first_sampled_position(scheduled: ScheduledRequest) -> int:
+def _first_sampled_position(scheduled: StepRequest) -> int:
     """Position of the first token a sampling step produces (after its last committed input)."""
     return scheduled.start_position + len(scheduled.input_token_ids) - scheduled.num_spec_tokens
+
+
+def check_worker_state(scheduler: Scheduler, batch: PersistentBatch) -> None:
+    """Right after a step's deltas were applied: the worker holds exactly the requests the
+    scheduler believes it sent, with the tokens and blocks it sent them."""
+    kv = scheduler.kv_cache_manager
+    held = {rid: r for rid, r in scheduler.requests.items() if r.num_tokens_on_worker}
+    # Requests ended since the step was scheduled are dropped with the next step.
+    ended_since = set(scheduler._finished_request_ids)
+    assert set(held) <= set(batch.requests) <= set(held) | ended_since, (
+        f"the worker holds {sorted(batch.requests)}, the scheduler sent {sorted(held)}"
+    )
+    for request_id, request in held.items():
+        state = batch.requests[request_id]
+        assert state.token_ids == request.all_token_ids[: request.num_tokens_on_worker], request
+        blocks = kv.get_block_ids(request_id)[: request.num_blocks_on_worker]
+        assert state.block_ids == blocks, f"{request}: worker {state.block_ids} != {blocks}"
+        assert state.num_prompt_tokens == request.num_prompt_tokens, request
+        assert state.sampling_params is request.sampling_params, request
+        assert list(batch.table[state.row, : len(blocks)]) == blocks, request
 
 
 def prefix_hashes(token_ids: Sequence[int]) -> list[int]:
@@ -324,6 +363,7 @@ def iterate_async_steps(
         if scheduled is not None and scheduled.is_empty:
             assert in_flight is not None, "nothing scheduled and nothing in flight: a stall"
             scheduler.update_from_output(scheduled, ModelRunnerOutput(sampled_token_ids={}))
+            runner.drop_requests(scheduled)
             scheduled = None
         launched = None if scheduled is None else (scheduled, runner.execute(scheduled))
         if in_flight is not None:

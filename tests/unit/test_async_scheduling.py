@@ -19,6 +19,7 @@ from rollout_engine.core.scheduler_output import (
 from tests.unit.factories import (
     FakeModelRunner,
     check_ledger_invariants,
+    expected_outputs,
     fresh_token_ids,
     iterate_async_steps,
     make_group,
@@ -36,10 +37,6 @@ from tests.unit.test_scheduler_stress import (
     assert_run_was_eventful,
     stress_token,
 )
-
-
-def expected_outputs(request_id: str, num_prompt_tokens: int, num_outputs: int) -> list[int]:
-    return [token_for(request_id, num_prompt_tokens + i) for i in range(num_outputs)]
 
 
 def test_worked_example_under_async_scheduling() -> None:
@@ -67,7 +64,8 @@ def test_worked_example_under_async_scheduling() -> None:
     # each, whose input is the token step N samples; R's prompt goes on.
     step_n1 = scheduler.schedule()
     assert step_n1.num_scheduled_tokens == {"P": 1, "Q": 1, "R": 4}
-    by_id = {s.request_id: s for s in step_n1.scheduled_requests}
+    output_n1 = runner.execute(step_n1)
+    by_id = runner.last_step  # the step's requests as the worker saw them
     for request_id, position in (("P", 20), ("Q", 9)):
         assert by_id[request_id].input_from_previous_step
         assert by_id[request_id].input_token_ids == [PLACEHOLDER_TOKEN_ID]
@@ -75,7 +73,6 @@ def test_worked_example_under_async_scheduling() -> None:
     assert not by_id["R"].input_from_previous_step and not by_id["R"].needs_sample
     assert [p.num_computed_tokens, q.num_computed_tokens, r.num_computed_tokens] == [21, 10, 5]
     assert (p.num_tokens, p.num_output_placeholders) == (20, 2)
-    output_n1 = runner.execute(step_n1)
     check_ledger_invariants(scheduler, num_in_flight=2)
 
     scheduler.update_from_output(step_n, output_n)  # step N lands
@@ -260,7 +257,7 @@ def test_siblings_wait_for_a_prompt_in_flight_and_then_hit_its_blocks() -> None:
         scheduler.add_request(request)
     steps = [output for output, _ in iterate_async_steps(scheduler, runner)]
     num_prompt_positions = sum(
-        max(0, min(s.start_position + len(s.input_token_ids), 20) - s.start_position)
+        max(0, min(s.start_position + s.num_tokens, 20) - s.start_position)
         for output in steps for s in output.scheduled_requests
     )
     # g/0 prefills all 20 tokens; g/1 shares its 4 full blocks in the same step; g/2 comes
@@ -295,6 +292,7 @@ class AsyncStressRun(StressRun):
             else:
                 assert self.in_flight is not None, "stalled"
                 self.scheduler.update_from_output(output, ModelRunnerOutput({}))
+                self.runner.drop_requests(output)  # as the engine tells the worker
         if self.rng.random() < self.config.abort_prob / 2:
             self._abort_random()  # arrives while steps are in flight
         if self.in_flight is not None:

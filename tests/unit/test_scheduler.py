@@ -14,6 +14,7 @@ from rollout_engine.protocol import InvalidRequestError, OutOfBlocksError
 from tests.unit.factories import (
     FakeModelRunner,
     check_ledger_invariants,
+    expected_outputs,
     iterate_steps,
     make_request,
     make_scheduler,
@@ -23,10 +24,6 @@ from tests.unit.factories import (
 )
 
 EOS = 2
-
-
-def expected_outputs(request_id: str, num_prompt_tokens: int, num_outputs: int) -> list[int]:
-    return [token_for(request_id, num_prompt_tokens + i) for i in range(num_outputs)]
 
 
 # ---------------------------------------------------------------- the worked examples
@@ -93,11 +90,11 @@ def test_worked_example_drafts_roll_back_rejected_positions(k: int, num_accepted
     assert output.scheduled_spec_decode_tokens == {"D": drafts}
     (scheduled,) = output.scheduled_requests
     assert scheduled.start_position == 29 and scheduled.num_spec_tokens == k
-    assert scheduled.input_token_ids == [request.all_token_ids[-1]] + drafts
     assert scheduled.needs_sample
     assert request.num_computed_tokens == 29 + k + 1  # optimistic: 32 for k = 2
 
     runner_output = runner.execute(output)
+    assert runner.last_step["D"].input_token_ids == [request.all_token_ids[-1]] + drafts
     sampled = runner_output.sampled_token_ids["D"]
     assert sampled == drafts[:num_accepted] + [token_for("D", 30 + num_accepted)]
     scheduler.update_from_output(output, runner_output)
@@ -143,9 +140,10 @@ def test_chunked_prefill_yields_a_token_only_after_the_last_chunk() -> None:
         output = scheduler.schedule()
         (scheduled,) = output.scheduled_requests
         assert (scheduled.start_position, output.num_scheduled_tokens["long"]) == (start, num_new)
-        assert scheduled.input_token_ids == request.prompt_token_ids[start : start + num_new]
         assert scheduled.needs_sample is is_last
         runner_output = runner.execute(output)
+        inputs = runner.last_step["long"].input_token_ids
+        assert inputs == request.prompt_token_ids[start : start + num_new]
         assert ("long" in runner_output.sampled_token_ids) is is_last
         updated = scheduler.update_from_output(output, runner_output)
         assert request.num_computed_tokens == start + num_new
@@ -428,7 +426,7 @@ def peak_num_blocks(num_prompt_tokens: int, max_tokens: int, k: int, max_model_l
     scheduler.add_request(request)
     peak = 0
     for output, _ in iterate_steps(scheduler, runner, max_steps=200):
-        peak = max(peak, len(output.scheduled_requests[0].block_ids))
+        peak = max(peak, len(runner.last_step["r"].block_ids))
         request.spec_token_ids = [1] * k
     return peak
 

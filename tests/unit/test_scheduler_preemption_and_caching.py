@@ -8,6 +8,7 @@ from rollout_engine.core.request import RequestStatus
 from tests.unit.factories import (
     FakeModelRunner,
     check_ledger_invariants,
+    expected_outputs,
     fresh_token_ids,
     iterate_steps,
     make_group,
@@ -15,14 +16,9 @@ from tests.unit.factories import (
     make_scheduler,
     run_step,
     run_until_done,
-    token_for,
 )
 
 EOS = 2
-
-
-def expected_outputs(request_id: str, num_prompt_tokens: int, num_outputs: int) -> list[int]:
-    return [token_for(request_id, num_prompt_tokens + i) for i in range(num_outputs)]
 
 
 # ---------------------------------------------------------------- abort
@@ -121,7 +117,8 @@ def test_preemption_by_recompute_when_blocks_run_out(enable_prefix_caching: bool
     start = 12 if enable_prefix_caching else 0
     assert scheduled.start_position == start
     assert output.num_scheduled_tokens["c"] == 21 - start
-    assert scheduled.input_token_ids == c.all_token_ids[start:21] and scheduled.needs_sample
+    inputs = runner.last_step["c"].input_token_ids
+    assert inputs == c.all_token_ids[start:21] and scheduled.needs_sample
     assert c.output_token_ids[:5] == outputs_before and c.num_output_tokens == 6
     run_until_done(scheduler, runner)
     for request in (a, b, c):
@@ -185,7 +182,7 @@ def test_freed_cached_blocks_are_revived_and_evicted_tail_first() -> None:
     output, _ = run_step(scheduler, runner)
     (scheduled,) = output.scheduled_requests
     assert scheduled.start_position == 8
-    a_blocks = scheduled.block_ids[:2]  # revived from the free queue
+    a_blocks = runner.last_step["b"].block_ids[:2]  # revived from the free queue
     # A 28-token request takes 7 of the 8 blocks: the prompt's tail blocks go first.
     scheduler.add_request(make_request("x", num_prompt_tokens=28, max_tokens=1))
     run_until_done(scheduler, runner)
@@ -194,7 +191,7 @@ def test_freed_cached_blocks_are_revived_and_evicted_tail_first() -> None:
     output, _ = run_step(scheduler, runner)
     (scheduled,) = output.scheduled_requests
     assert scheduled.start_position == 4
-    assert scheduled.block_ids[0] == a_blocks[0]
+    assert runner.last_step["c"].block_ids[0] == a_blocks[0]
 
 
 def test_reset_prefix_cache_forgets_cached_prompts() -> None:

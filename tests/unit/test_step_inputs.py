@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.host_overhead import per_token_build
-from rollout_engine.core.scheduler_output import ScheduledRequest
+from benchmarks.host_overhead import first_step, per_token_build
 from rollout_engine.protocol import SamplingParams
+from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
 from rollout_engine.worker.sampler import Sampler
 from rollout_engine.worker.staging import HostStaging
-from rollout_engine.worker.step_inputs import BlockTables, build_step_inputs
+from rollout_engine.worker.step_inputs import build_step_inputs
 from tests.unit.test_sampler import make_row, mixed_batch, random_logits
 
 BLOCK_SIZE = 4
@@ -48,12 +48,12 @@ class SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def random_step(seed: int, num_reqs: int = 12) -> list[ScheduledRequest]:
+def random_step(seed: int, num_reqs: int = 12) -> tuple[PersistentBatch, list[StepRequest]]:
     """Prefill chunks, decodes and drafting decodes, with random block tables."""
     rng = random.Random(seed)
     free_blocks = list(range(200))
     rng.shuffle(free_blocks)
-    scheduled = []
+    requests = []
     for i in range(num_reqs):
         kind = rng.choice(["prefill", "decode", "draft", "partial"])
         start = rng.randrange(0, 40)
@@ -61,35 +61,34 @@ def random_step(seed: int, num_reqs: int = 12) -> list[ScheduledRequest]:
         query_len = {"prefill": rng.randrange(2, 20), "partial": rng.randrange(2, 9)}.get(
             kind, 1 + num_spec
         )
+        num_committed = start + query_len - num_spec + (rng.randrange(1, 5) if kind == "partial" else 0)
         num_blocks = -(-(start + query_len) // BLOCK_SIZE) + rng.randrange(0, 2)
-        blocks = [free_blocks.pop() for _ in range(num_blocks)]
         params = rng.choice([
             SamplingParams(temperature=0.0),
             SamplingParams(temperature=0.8, top_p=0.9, seed=i),
             SamplingParams(top_k=5, min_p=0.05, repetition_penalty=1.3),
         ])
-        scheduled.append(ScheduledRequest(
-            request_id=f"r{i}",
-            input_token_ids=[rng.randrange(VOCAB_SIZE) for _ in range(query_len)],
-            start_position=start,
-            block_ids=blocks,
-            num_spec_tokens=num_spec,
-            needs_sample=kind != "partial",
-            sampling_params=params,
-            num_output_tokens=rng.randrange(0, 5),
-            prompt_token_ids=[rng.randrange(VOCAB_SIZE) for _ in range(5)],
-            output_token_ids=[rng.randrange(VOCAB_SIZE) for _ in range(3)],
+        requests.append((
+            f"r{i}",
+            [rng.randrange(VOCAB_SIZE) for _ in range(num_committed)],
+            start,
+            query_len,
+            [rng.randrange(VOCAB_SIZE) for _ in range(num_spec)],
+            [free_blocks.pop() for _ in range(num_blocks)],
+            kind != "partial",
+            params,
+            rng.randrange(0, 5),
         ))
-    return scheduled
+    return first_step(requests)
 
 
 @pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("seed", range(5))
 def test_step_inputs_match_the_per_token_build(seed: int, pack: bool) -> None:
-    scheduled = random_step(seed)
+    batch, scheduled = random_step(seed)
     staging = HostStaging("cpu", pack=pack)
     step = build_step_inputs(scheduled, BLOCK_SIZE, VOCAB_SIZE, Sampler(), staging,
-                             BlockTables(), host_block_tables=True)
+                             batch, host_block_tables=True)
     input_ids, positions, rows, expected, _ = per_token_build(
         scheduled, Sampler(), "cpu", BLOCK_SIZE, VOCAB_SIZE
     )
@@ -147,8 +146,8 @@ def test_sampling_on_the_device_never_syncs_before_its_one_copy() -> None:
 
 def test_building_a_step_is_host_only() -> None:
     """No tensor op at all runs before the upload: the host work is numpy."""
-    scheduled = random_step(3)
+    batch, scheduled = random_step(3)
     with SyncCounter() as counter:
         build_step_inputs(scheduled, BLOCK_SIZE, VOCAB_SIZE, Sampler(), HostStaging("cpu"),
-                          BlockTables())
+                          batch)
     assert counter.num_ops == 0
