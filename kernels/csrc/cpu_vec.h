@@ -1,6 +1,7 @@
-// Eight-lane float helpers for the CPU attention kernel (AVX2 + FMA), used where the compiler
-// targets them (`-march=native` on a CPU that has them); elsewhere the kernel keeps its
-// portable loops. Loads widen bfloat16 and float16 to float32; all math is float32.
+// Eight-lane float helpers for the CPU attention kernel (AVX2 + FMA), and sixteen-lane ones
+// (AVX-512F) beside them, used where the compiler targets them (`-march=native` on a CPU that
+// has them); elsewhere the kernel keeps its portable loops. Loads widen bfloat16 and float16 to
+// float32; all math is float32.
 
 #pragma once
 
@@ -83,6 +84,56 @@ inline __m256 exp8(__m256 x) {
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
 }
+
+#if defined(__AVX512F__)
+#define ROLLOUT_CPU_VEC16 1
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The two eight-lane halves of v added: the same lane sums in half the width.
+inline __m256 fold8(__m512 v) {
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return _mm256_add_ps(_mm512_castps512_ps256(v), high);
+}
+
+// Lanes begin..end-1 (clipped to 0..15) set.
+inline __mmask16 lanes_between(int64_t begin, int64_t end) {
+  const auto below = [](int64_t n) -> uint32_t {
+    return n <= 0 ? 0u : n >= 16 ? 0xFFFFu : (1u << n) - 1u;
+  };
+  return static_cast<__mmask16>(below(end) & ~below(begin));
+}
+
+// exp8 sixteen lanes wide: the same clamp, polynomial and rounding, so the same results.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.f));
+  const __m512i pow2n = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(pow2n));
+}
+
+#endif  // __AVX512F__
 
 }  // namespace cpu_vec
 

@@ -230,6 +230,21 @@ def test_kernel_on_sibling_samples(head_dim, block_size, peaked):
     assert (group_shared > 0).sum() == 3, "each prompt's samples should form a group"
 
 
+@pytest.mark.parametrize("window", [None, 7, 40])
+@pytest.mark.parametrize("block_size", [32, 48])
+def test_kernel_with_blocks_wider_than_a_vector(block_size, window):
+    """Blocks of several sixteen-lane score vectors (the vectorised path's block loop), with
+    verify rows whose tokens share a tile of query vectors but see different keys (3 heads per
+    KV head: tiles of two vectors straddle tokens) and windows that start mid-block."""
+    require_kernel()
+    case = make_case([1, 4, 7, 1], [100, 61, 33, 7], num_heads=6, num_kv_heads=2, head_dim=64,
+                     block_size=block_size, sliding_window=window)
+    out = paged_attention_cpu(case.query, case.key_cache, case.value_cache, case.metadata,
+                              case.scale, use_kernel=True, sliding_window=window)
+    err = (out.double() - naive_attention(case)).abs().max().item()
+    assert err <= ATOL[torch.float32], f"max error {err}"
+
+
 def _kernel_args(case, members, group_starts, group_shared):
     md = case.metadata
     return [case.query, case.key_cache, case.value_cache, md.block_tables, md.seq_lens,

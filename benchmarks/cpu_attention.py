@@ -1,0 +1,126 @@
+"""One decode attention call on the CPU: ms per call and the KV bandwidth it reaches.
+
+A GRPO decode step of the `small` model's attention (8 query heads, 4 KV heads, head_dim 64,
+float32 cache, 16-token blocks, stored heads-major as the engine stores it on the CPU):
+8 prompts x 8 samples, each prompt 64-256 tokens whose full blocks its samples share, then
+each sample's own generated tokens up to the context. The pool's free queue starts shuffled
+(a pool that has served earlier batches) and hands out blocks in the engine's order: each
+group's prompt blocks, then one block per sample in turn as their generations cross a block
+edge, so a sample's own blocks lie far apart. The call goes through `kernels.dispatch`, the
+model's entry point, with the step's plan built once (as every layer after the first finds
+it); `first ms` is the step's first call, which builds the plan. Each call reads the next of several layers'
+caches, so the KV comes from memory as in a real step, not from the last call's L3.
+
+GB/s counts each KV byte the step needs once: the shared prompt blocks once per group, the
+own tokens once per sample, keys and values.
+
+    python benchmarks/cpu_attention.py                      # contexts 256, 1024, 4096
+    python benchmarks/cpu_attention.py --contexts 1024 --threads 2 --seconds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import AttentionMetadata, cpu_extension, kv_cache_layout
+from kernels.dispatch import paged_attention
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 16
+NUM_PROMPTS, SAMPLES = 8, 8
+# Enough layers that one call's KV is out of L3 before the next call on that layer.
+MIN_CACHE_BYTES, MAX_LAYERS = 256 << 20, 8
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--seconds", type=float, default=3.0, help="timed calls per context")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def make_step(context: int, seed: int = 0):
+    """One decode step with every sample at `context` tokens: (metadata, pool size, KV bytes)."""
+    rng = random.Random(seed)
+    prompt_lens = [min(rng.randint(64, 256), context - 1) for _ in range(NUM_PROMPTS)]
+    shared_blocks = [p // BLOCK_SIZE for p in prompt_lens]  # only full blocks are shared
+    total_blocks = -(-context // BLOCK_SIZE)
+    needed = sum(s + SAMPLES * (total_blocks - s) for s in shared_blocks)
+    pool = needed + needed // 10
+    free = list(range(pool))
+    rng.shuffle(free)
+    free.reverse()  # pop() takes the queue's head
+    tables = []
+    for s in shared_blocks:
+        prefix = [free.pop() for _ in range(s)]
+        tables += [list(prefix) for _ in range(SAMPLES)]
+    # Then each sample's own blocks (the prompt's partial block first), one per sample in turn
+    # as the step's tokens cross each block edge.
+    for block in range(min(shared_blocks), total_blocks):
+        for table in tables:
+            if len(table) == block:
+                table.append(free.pop())
+    metadata = AttentionMetadata.build([1] * len(tables), [context] * len(tables), tables,
+                                       BLOCK_SIZE)
+    kv_tokens = sum(s * BLOCK_SIZE + SAMPLES * (context - s * BLOCK_SIZE) for s in shared_blocks)
+    return metadata, pool, kv_tokens * NUM_KV_HEADS * HEAD_DIM * 4 * 2
+
+
+def make_caches(num_blocks: int) -> torch.Tensor:
+    """Several layers' caches, stored heads-major like the engine's CPU cache:
+    [layers, 2, num_blocks, bs, Hkv, D]."""
+    layer_bytes = 2 * num_blocks * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 4
+    num_layers = max(2, min(MAX_LAYERS, -(-MIN_CACHE_BYTES // layer_bytes)))
+    layout = kv_cache_layout(torch.device("cpu"))
+    storage = torch.randn(layout.storage_shape(num_layers, num_blocks, BLOCK_SIZE, NUM_KV_HEADS,
+                                               HEAD_DIM))
+    return layout.logical_view(storage)
+
+
+def run(context: int, seconds: float, seed: int) -> dict:
+    metadata, num_blocks, kv_bytes = make_step(context, seed)
+    caches = make_caches(num_blocks)
+    query = torch.randn(metadata.num_reqs, NUM_HEADS, HEAD_DIM)
+    scale = HEAD_DIM**-0.5
+    start = time.perf_counter()
+    paged_attention(query, caches[0, 0], caches[0, 1], metadata, scale)  # builds the plan
+    plan_ms = (time.perf_counter() - start) * 1e3
+    times = []
+    deadline = time.perf_counter() + seconds
+    layer = 0
+    while time.perf_counter() < deadline or len(times) < 10:
+        layer = (layer + 1) % caches.shape[0]
+        start = time.perf_counter()
+        paged_attention(query, caches[layer, 0], caches[layer, 1], metadata, scale)
+        times.append(time.perf_counter() - start)
+    ms = statistics.median(times) * 1e3
+    return {"context": context, "ms": ms, "gbps": kv_bytes / ms / 1e6, "mb": kv_bytes / 1e6,
+            "plan_ms": plan_ms, "calls": len(times), "layers": caches.shape[0]}
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    if not cpu_extension.available():
+        print("note: the compiled kernel is unavailable; timing the torch path")
+    print(f"{NUM_PROMPTS} prompts x {SAMPLES} samples, {NUM_HEADS} heads / {NUM_KV_HEADS} KV heads,"
+          f" head_dim {HEAD_DIM}, float32, block {BLOCK_SIZE}, {args.threads} threads")
+    print(f"{'context':>8} {'ms/call':>9} {'GB/s':>7} {'KV MB':>8} {'first ms':>9} {'calls':>6}")
+    for context in args.contexts:
+        r = run(context, args.seconds, args.seed)
+        print(f"{r['context']:>8} {r['ms']:>9.3f} {r['gbps']:>7.1f} {r['mb']:>8.1f}"
+              f" {r['plan_ms']:>9.2f} {r['calls']:>6}")
+
+
+if __name__ == "__main__":
+    main()
