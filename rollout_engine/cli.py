@@ -223,6 +223,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--cpu-threads", type=int,
                         help="CPU: OpenMP threads of the forward (default: the cores other "
                         "processes leave free, re-checked as it runs)")
+    engine.add_argument("--no-cpu-packed-weights", dest="cpu_packed_weights",
+                        action="store_false", default=None,
+                        help="CPU: plain F.linear instead of oneDNN on packed weight copies "
+                        "(saves their memory; default: packed)")
     engine.add_argument("--cuda-graphs", action="store_true", default=None,
                         help="replay decode steps from CUDA graphs (default: off)")
     engine.add_argument("--kv-cache-bytes", type=_parse_bytes,
@@ -272,7 +276,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 
 _SERVE_ENGINE_OPTIONS = (
-    "dtype", "device", "seed", "cpu_threads", "cuda_graphs", "kv_cache_bytes", "num_blocks", "block_size",
+    "dtype", "device", "seed", "cpu_threads", "cpu_packed_weights", "cuda_graphs",
+    "kv_cache_bytes", "num_blocks", "block_size",
     "gpu_memory_utilization",
     "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_speculative_tokens",
     "async_scheduling", "kv_role", "kv_peer", "kv_transport", "kv_transfer_timeout_s",

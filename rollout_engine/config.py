@@ -38,6 +38,11 @@ class ModelConfig:
     `torch.get_num_threads()` put back after it). None: the usable cores that other processes
     leave free, re-checked every half second (see `worker/cpu_threads.py`): threads that
     share a core with another busy process make every parallel region wait."""
+    cpu_packed_weights: bool = True
+    """CPU only: run the linear layers through oneDNN on packed copies of their weights
+    (1.3-2x faster on decode-sized GEMMs; see `worker/models/packed_linear.py`). The copies
+    take as much memory again as the linear weights while the engine is awake, and are
+    dropped at sleep and after weight updates. False: `F.linear` on the weights themselves."""
     cuda_graphs: bool = False
     """Replay plain decode steps from CUDA graphs, one per batch-size bucket (vLLM's
     default; its `enforce_eager` turns them off). Off by default until a GPU run has shown

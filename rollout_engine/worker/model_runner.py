@@ -14,6 +14,7 @@ from rollout_engine.protocol import StepFailedError
 from rollout_engine.worker.cuda_graphs import DecodeGraphs
 from rollout_engine.worker.fault_injection import FaultInjector
 from rollout_engine.worker.models.decoder import DecoderForCausalLM
+from rollout_engine.worker.models.packed_linear import PackedWeights
 from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
 from rollout_engine.worker.sampler import Sampler
 from rollout_engine.worker.staging import HostStaging
@@ -47,8 +48,11 @@ class ModelRunner:
         seed: int,
         decode_graphs: DecodeGraphs | None = None,
         is_driver: bool = True,
+        packed_weights: PackedWeights | None = None,
     ) -> None:
         self.model = model
+        self.packed_weights = packed_weights
+        """CPU: the linears' oneDNN copies, packed again before a forward when dropped."""
         self.is_driver = is_driver
         """False on tensor-parallel ranks other than 0: they run the forward and the logits'
         all-gather, and leave sampling to rank 0."""
@@ -130,6 +134,8 @@ class ModelRunner:
             step.input_ids.index_copy_(
                 0, step.patch_positions, tokens_of_previous_step.index_select(0, step.patch_rows)
             )
+        if self.packed_weights is not None:
+            self.packed_weights.ensure()
         if self.fault_injector is not None:
             self.fault_injector.arm(prepared.requests)
         if self._use_graphs(step):

@@ -27,6 +27,7 @@ from rollout_engine.worker.models.loader import (
     parameter_nbytes,
     resolve_dtype,
 )
+from rollout_engine.worker.models.packed_linear import PackedWeights, can_pack
 from rollout_engine.worker.models.tp_sharding import check_tensor_parallel
 from rollout_engine.worker.tp_group import TPGroup
 from rollout_engine.worker.weight_update import WeightUpdater
@@ -68,8 +69,14 @@ class Worker:
         )
         load_weights(model, iterate_checkpoint_slices(model_config.model))
 
+        self.packed_weights: PackedWeights | None = None
+        if model_config.cpu_packed_weights and can_pack(self.device, self.dtype):
+            self.packed_weights = PackedWeights(model)
+
         def after_update() -> None:
             on_weight_update()
+            if self.packed_weights is not None:
+                self.packed_weights.drop()  # packed again from the new weights
             self.model_runner.refresh_graphs()
             self._return_cached_device_memory()  # the update's staging copies
 
@@ -98,7 +105,7 @@ class Worker:
             )
         self.model_runner = ModelRunner(
             model, kv_caches, cache_config.block_size, model_config.seed, decode_graphs,
-            is_driver=tp.is_driver,
+            is_driver=tp.is_driver, packed_weights=self.packed_weights,
         )
 
     def check_ready(self) -> None:
@@ -144,6 +151,11 @@ class Worker:
     # ------------------------------------------------------------------ memory
     def sleep(self, level: SleepLevel) -> None:
         self.weights.close_session("sleep() released the weights")
+        if self.packed_weights is not None and level == 2:
+            # The weights are discarded: so are their copies (packed again by the first
+            # forward after the update). Level 1 restores the weights as they were, and on
+            # the CPU their backup stays in host memory as the copies do: they are kept.
+            self.packed_weights.drop()
         self.memory.sleep(level)
         self._return_cached_device_memory()
 

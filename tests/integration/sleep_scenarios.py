@@ -128,6 +128,7 @@ def cycles(model_dir: str, num_cycles: int = 500) -> dict[str, Any]:
     before, addresses = greedy_tokens(llm), _addresses(llm)
     for step in range(40):  # warm-up: first-use allocations of torch and Python
         _cycle(llm, weights, step)
+    greedy_tokens(llm)  # measured awake, as at the end (CPU linears packed again)
     gc.collect()
     rss_before = process_rss_bytes()
     num_same_outputs = 0

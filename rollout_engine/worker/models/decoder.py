@@ -18,6 +18,7 @@ from torch import nn
 from kernels import AttentionMetadata, paged_attention, store_kv_cache
 from rollout_engine.protocol import ModelLoadError
 from rollout_engine.worker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from rollout_engine.worker.models.packed_linear import PackedLinear
 from rollout_engine.worker.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -103,6 +104,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = spec.qk_norm
+        self.packed_qkv: PackedLinear | None = None
+        """CPU: q|k|v packed as one oneDNN weight (`packed_linear.py`)."""
 
     def forward(
         self,
@@ -112,9 +115,13 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.packed_qkv is not None:
+            q, k, v = self.packed_qkv(hidden)
+        else:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
@@ -162,6 +169,8 @@ class DecoderForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
+        self.packed_logits: PackedLinear | None = None
+        """CPU: the logits' weight packed for oneDNN (`packed_linear.py`)."""
 
     @property
     def num_layers(self) -> int:
@@ -181,10 +190,16 @@ class DecoderForCausalLM(nn.Module):
             hidden = layer(hidden, rope, kv_cache, metadata)
         return self.model.norm(hidden)
 
+    @property
+    def logits_weight(self) -> torch.Tensor:
+        """This rank's [vocab rows, hidden] weight of the logits (the embedding when tied)."""
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, hidden] -> float32 logits [R, vocab], whole on every rank."""
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
+        return vocab_parallel_logits(
+            hidden, self.logits_weight, self.config.vocab_size, self.tp, self.packed_logits
+        )
 
     def shard_specs(self) -> dict[str, ShardSpec]:
         """Parameter name -> the slice of the checkpoint tensor of that name it holds."""

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout_engine.worker.models.packed_linear import PackedLinear
 from rollout_engine.worker.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from rollout_engine.worker.models.tp_sharding import split_evenly
 from rollout_engine.worker.tp_group import TPGroup
@@ -96,6 +97,11 @@ class GatedMLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, rows, tp)
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, rows, tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, rows, tp)
+        self.packed_gate_up: PackedLinear | None = None
+        """CPU: gate|up packed as one oneDNN weight (`packed_linear.py`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_gate_up is not None:
+            gate, up = self.packed_gate_up(x)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout_engine.worker.models.packed_linear import PackedLinear
 from rollout_engine.worker.models.tp_sharding import ShardSpec, vocab_shard
 from rollout_engine.worker.tp_group import TPGroup
 
@@ -49,11 +50,14 @@ class RowParallelLinear(nn.Linear):
         self.full_shape = (out_features, in_features)
         self.cols = cols
         self.tp = tp
+        self.packed: PackedLinear | None = None
+        """CPU: the weight packed for oneDNN (`packed_linear.py`); with the bias at size 1."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))  # [T, out_features]
+            return F.linear(x, self.weight, self.bias) if self.packed is None else self.packed(x)
+        partial = F.linear(x, self.weight) if self.packed is None else self.packed(x)
+        out = self.tp.all_reduce(partial)  # [T, out_features]
         return out if self.bias is None else out + self.bias
 
     def param_shard_specs(self) -> dict[str, ShardSpec]:
@@ -104,11 +108,13 @@ class ParallelLMHead(nn.Linear):
 
 
 def vocab_parallel_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPGroup
+    hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPGroup,
+    packed: PackedLinear | None = None,
 ) -> torch.Tensor:
     """hidden: [R, hidden], weight: this rank's [num_rows, hidden] -> float32 [R, vocab_size]
-    on every rank (the shards' logits all-gathered, padding columns dropped)."""
-    local = F.linear(hidden, weight).float()  # [R, num_rows]
+    on every rank (the shards' logits all-gathered, padding columns dropped). `packed`: the
+    same weight packed for oneDNN (CPU)."""
+    local = (F.linear(hidden, weight) if packed is None else packed(hidden)).float()
     if tp.size == 1:
         return local
     return tp.all_gather(local, dim=-1)[:, :vocab_size]  # [R, tp.size * num_rows] -> [R, V]

@@ -1,0 +1,69 @@
+"""CPU linears on packed oneDNN copies: the same tokens as plain `F.linear`, and copies that
+never outlive the weights they were packed from (sleep, wake, updates)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rollout_engine import LLM, SamplingParams
+from rollout_engine.worker.models.packed_linear import can_pack, pack
+from tests.integration.hf_oracle import hf_greedy
+from tests.integration.test_weight_update import checkpoint
+
+PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 42], list(range(20, 52))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+pytestmark = pytest.mark.skipif(
+    not can_pack(torch.device("cpu"), torch.float32), reason="torch without oneDNN"
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_packed_linear_is_the_linears_side_by_side(dtype) -> None:
+    torch.manual_seed(0)
+    weights = [torch.randn(n, 48, dtype=dtype) for n in (64, 16, 16)]
+    biases = [torch.randn(n, dtype=dtype) for n in (64, 16, 16)]
+    packed = pack(weights, biases)
+    for num_rows in (1, 8, 33, 300):  # any row count, whatever the packing's hint
+        x = torch.randn(num_rows, 48, dtype=dtype)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        for got, w, b in zip(packed(x), weights, biases, strict=True):
+            torch.testing.assert_close(got, F.linear(x, w, b), atol=tol, rtol=tol)
+    assert packed.num_bytes == sum(w.numel() + b.numel() for w, b in zip(weights, biases)) * (
+        weights[0].element_size()
+    )
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_packed_and_plain_linears_give_transformers_greedy_tokens(tiny_model_dirs, arch) -> None:
+    model_dir = str(tiny_model_dirs[arch])
+    expected = [hf_greedy(model_dir, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
+    for packed in (True, False):
+        llm = LLM(model_dir, kv_cache_bytes=1 << 20, cpu_packed_weights=packed)
+        assert (llm.engine.worker.packed_weights is not None) is packed
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        assert got == expected, f"packed={packed}"
+        if packed:
+            assert llm.engine.worker.packed_weights.is_packed  # the forward ran on them
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_packed_copies_follow_the_weights_through_sleep(llama_dir, level) -> None:
+    """Level 2 discards the weights and their copies (packed again from the update that must
+    follow); level 1 restores the weights as they were, and keeps the copies."""
+    llm = LLM(str(llama_dir), kv_cache_bytes=1 << 20)
+    packed = llm.engine.worker.packed_weights
+    weights = checkpoint(llama_dir)
+    before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert packed.is_packed and packed.num_packs == 1 and packed.num_bytes > 0
+    llm.sleep(level=level)
+    assert packed.is_packed == (level == 1)
+    assert (packed.num_bytes == 0) == (level == 2)  # freed with the weights
+    if level == 2:
+        llm.wake_up(["weights"])
+        llm.update_weights(weights)
+    llm.wake_up()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == before
+    assert packed.num_packs == level  # level 2: packed again, from the updated weights
