@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout_engine import LLM, SamplingParams
-from rollout_engine.worker.models.packed_linear import can_pack, pack
+from rollout_engine.worker.models.packed_linear import can_pack, pack, row_bucket
 from tests.integration.hf_oracle import hf_greedy
 from tests.integration.test_weight_update import checkpoint
 
@@ -67,3 +67,20 @@ def test_packed_copies_follow_the_weights_through_sleep(llama_dir, level) -> Non
     llm.wake_up()
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == before
     assert packed.num_packs == level  # level 2: packed again, from the updated weights
+
+
+def test_varying_row_counts_do_not_grow_resident_memory() -> None:
+    """oneDNN keeps a primitive per distinct row count; rows are padded to a few buckets, so a
+    server whose batches vary does not grow (about 0.5 MB a row count for a small weight)."""
+    import os
+
+    from memory import process_rss_bytes
+
+    packed = pack([torch.randn(256, 64)])
+    for num_rows in (16, 256, 512, 768, 1024):  # the buckets the rows below fall in
+        packed(torch.randn(num_rows, 64))
+    before = process_rss_bytes(os.getpid())
+    for num_rows in range(200, 1025):  # unpadded: 825 new primitives, some 400 MB
+        packed(torch.randn(num_rows, 64))
+    assert process_rss_bytes(os.getpid()) - before < 20 * 1024**2
+    assert len({row_bucket(n) for n in range(1, 2049)}) == 16 + 7
