@@ -227,6 +227,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         action="store_false", default=None,
                         help="CPU: plain F.linear instead of oneDNN on packed weight copies "
                         "(saves their memory; default: packed)")
+    engine.add_argument("--model-impl", choices=["auto", "native", "transformers"],
+                        help="modeling code: our native decoder, Hugging Face's transformers "
+                        "with our paged attention, or auto (native where it exists; default)")
     engine.add_argument("--cuda-graphs", action="store_true", default=None,
                         help="replay decode steps from CUDA graphs (default: off)")
     engine.add_argument("--kv-cache-bytes", type=_parse_bytes,
@@ -276,7 +279,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 
 _SERVE_ENGINE_OPTIONS = (
-    "dtype", "device", "seed", "cpu_threads", "cpu_packed_weights", "cuda_graphs",
+    "dtype", "device", "seed", "cpu_threads", "cpu_packed_weights", "model_impl", "cuda_graphs",
     "kv_cache_bytes", "num_blocks", "block_size",
     "gpu_memory_utilization",
     "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_speculative_tokens",

@@ -14,6 +14,8 @@ from typing import Any, Literal
 from rollout_engine.protocol import DEFAULT_MAX_MESSAGE_BYTES, KV_TRANSPORTS
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+ModelImpl = Literal["auto", "native", "transformers"]
+MODEL_IMPLS: tuple[str, ...] = ("auto", "native", "transformers")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -43,6 +45,11 @@ class ModelConfig:
     (1.3-2x faster on decode-sized GEMMs; see `worker/models/packed_linear.py`). The copies
     take as much memory again as the linear weights while the engine is awake, and are
     dropped at sleep and after weight updates. False: `F.linear` on the weights themselves."""
+    model_impl: ModelImpl = "auto"
+    """Which modeling code runs the checkpoint: "native" (our decoder: Llama, Qwen2, Qwen3),
+    "transformers" (Hugging Face's modeling code with our paged attention plugged in, for
+    any decoder-only `*ForCausalLM` whose attention goes through transformers'
+    `AttentionInterface`), or "auto" (native where it exists, else transformers)."""
     cuda_graphs: bool = False
     """Replay plain decode steps from CUDA graphs, one per batch-size bucket (vLLM's
     default; its `enforce_eager` turns them off). Off by default until a GPU run has shown
@@ -53,6 +60,10 @@ class ModelConfig:
         _require(
             self.dtype in ("auto", "float32", "float16", "bfloat16"),
             f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}",
+        )
+        _require(
+            self.model_impl in MODEL_IMPLS,
+            f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}",
         )
         _require(
             self.cpu_threads is None or self.cpu_threads >= 1,

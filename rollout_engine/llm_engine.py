@@ -54,7 +54,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_dir = config.model_config.model
-        self.hf_config = load_hf_config(model_dir)
+        self.hf_config = load_hf_config(model_dir, config.model_config.model_impl)
         max_model_len = _max_model_len(config, self.hf_config)
         self.processor = Processor(model_dir, self.hf_config)
         self.memory_events = MemoryEventLog(config.memory_config.timeline_max_events)

@@ -124,10 +124,6 @@ def build_tiny_model(
     `rope_scaling` takes a Llama-3 style dict (`{"rope_type": "llama3", "factor": ...}`).
     `config_overrides` are passed to the config class last (e.g. `num_hidden_layers=1`).
     """
-    import torch
-    from transformers import GenerationConfig
-
-    output_dir = Path(output_dir)
     config = make_config(
         architecture,
         size,
@@ -137,6 +133,16 @@ def build_tiny_model(
         max_position_embeddings=max_position_embeddings,
         **config_overrides,
     )
+    return write_model_dir(output_dir, config, seed)
+
+
+def write_model_dir(output_dir: str | Path, config: PretrainedConfig, seed: int = 0) -> Path:
+    """Write the `*ForCausalLM` of any transformers `config` with seeded random weights (see
+    `_build_model`), plus a tokenizer of its `vocab_size`, to `output_dir`."""
+    import torch
+    from transformers import GenerationConfig
+
+    output_dir = Path(output_dir)
     tokenizer = build_tokenizer(config.vocab_size)
     model = _build_model(config, seed)
     assert model.dtype == torch.float32, model.dtype
@@ -145,9 +151,9 @@ def build_tiny_model(
         model.save_pretrained(output_dir, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
     generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
+        bos_token_id=getattr(config, "bos_token_id", None),
+        eos_token_id=getattr(config, "eos_token_id", None),
+        pad_token_id=getattr(config, "pad_token_id", None),
     )
     generation_config.save_pretrained(output_dir)
     return output_dir

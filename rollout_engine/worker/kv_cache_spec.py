@@ -77,8 +77,10 @@ def plan_kv_cache_bytes(
 def activation_bytes_estimate(hf_config, max_num_batched_tokens: int, max_num_seqs: int,
                               dtype: torch.dtype) -> int:
     """A generous bound on one step's transient memory: per-token hidden and MLP activations,
-    plus fp32 logits and their softmax for every sampled row (drafts included)."""
-    hidden, intermediate = hf_config.hidden_size, hf_config.intermediate_size
+    plus fp32 logits and their softmax for every sampled row (drafts included). A config
+    without `intermediate_size` (GPT-2, OPT) is taken to have the usual 4 x hidden."""
+    hidden = hf_config.hidden_size
+    intermediate = getattr(hf_config, "intermediate_size", None) or 4 * hidden
     per_token = (8 * hidden + 3 * intermediate) * dtype.itemsize
     logits = 3 * max_num_seqs * 8 * hf_config.vocab_size * 4
     return max_num_batched_tokens * per_token + logits

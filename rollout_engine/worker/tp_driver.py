@@ -23,12 +23,11 @@ from rollout_engine.core.scheduler_output import ModelRunnerOutput
 from rollout_engine.protocol import MemoryState, RankFailedError, SleepLevel
 from rollout_engine.worker.cpu_threads import usable_cores
 from rollout_engine.worker.model_runner import PreparedStep
-from rollout_engine.worker.models.tp_sharding import check_tensor_parallel
 from rollout_engine.worker.tp_group import TPGroup, connect
 from rollout_engine.worker.tp_processes import RankProcesses
 from rollout_engine.worker.tp_rank import rank_device
 from rollout_engine.worker.weight_update import ManifestEntry
-from rollout_engine.worker.worker import Worker
+from rollout_engine.worker.worker import Worker, check_model_impl
 
 
 def cpu_threads_per_rank(config: EngineConfig) -> int:
@@ -49,8 +48,7 @@ class DriverWorker(Worker):
         event_log: MemoryEventLog,
         on_weight_update: Callable[[], None],
     ) -> None:
-        size = config.parallel_config.tensor_parallel_size
-        check_tensor_parallel(hf_config, size)  # refused before any process starts
+        check_model_impl(config, hf_config)  # refused before any process starts
         self._broken: str | None = None
         self.ranks = RankProcesses(config, max_model_len, cpu_threads_per_rank(config))
         try:

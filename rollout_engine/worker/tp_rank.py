@@ -57,7 +57,7 @@ def _build_worker(rank: int, size: int, port: int, config, max_model_len: int):
     device = rank_device(config.model_config.device, rank)
     store = create_store(port, size, False, timeout_s)
     tp = connect(store, rank, size, device, timeout_s)
-    hf_config = load_hf_config(config.model_config.model)
+    hf_config = load_hf_config(config.model_config.model, config.model_config.model_impl)
     events = MemoryEventLog(config.memory_config.timeline_max_events)
     return Worker(config, hf_config, max_model_len, events, lambda: None, tp=tp, device=device)
 

@@ -3,8 +3,9 @@
 Names are the model's parameter names as `model.named_parameters()` gives them (the Hugging
 Face checkpoint names). Dtypes must equal the parameter's dtype exactly: a cast would hide a
 trainer that sends bf16 to an fp32 engine (or the reverse), so it is refused instead. With
-tied embeddings `lm_head.weight` is the same tensor as `model.embed_tokens.weight`: it is
-accepted and written there, or ignored (still checked) when the manifest names both.
+tied embeddings `lm_head.weight` is the same tensor as the input embedding (e.g.
+`model.embed_tokens.weight`): it is accepted and written there, or ignored (still checked) when
+the manifest names both.
 
 Under tensor parallelism every rank receives the full checkpoint-shaped tensor and keeps its
 shard (`ShardSpec`); manifests are checked against the full shapes.
@@ -24,13 +25,13 @@ import torch
 from memory import MemoryEventLog
 from rollout_engine.protocol import WeightUpdateError
 from rollout_engine.worker.engine_memory import EngineMemory
+from rollout_engine.worker.models.loader import tied_aliases
 from rollout_engine.worker.models.tp_sharding import ShardSpec
 
 ManifestEntry = tuple[str, tuple[int, ...], torch.dtype]
 """(name, shape, dtype) of one tensor an update will send."""
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
-_TIED_ALIASES = {"lm_head.weight": "model.embed_tokens.weight"}
 _MAX_NAMES_SHOWN = 8
 
 
@@ -58,8 +59,7 @@ class WeightMirror(Protocol):
 def weight_targets(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The model's parameters by name, and alias -> parameter name for tied weights."""
     params = {name: param.data for name, param in model.named_parameters()}
-    aliases = {a: p for a, p in _TIED_ALIASES.items() if a not in params and p in params}
-    return params, aliases
+    return params, tied_aliases(model)
 
 
 def shard_specs_of(model: torch.nn.Module) -> dict[str, ShardSpec]:

@@ -20,15 +20,20 @@ from rollout_engine.worker.kv_cache_spec import (
     plan_kv_cache_bytes,
 )
 from rollout_engine.worker.model_runner import ModelRunner, PreparedStep
+from rollout_engine.worker.models.decoder import DecoderForCausalLM
 from rollout_engine.worker.models.loader import (
+    ResolvedModelImpl,
     build_model,
     iterate_checkpoint_slices,
     load_weights,
     parameter_nbytes,
+    pool_nbytes,
     resolve_dtype,
+    resolve_model_impl,
 )
 from rollout_engine.worker.models.packed_linear import PackedWeights, can_pack
 from rollout_engine.worker.models.tp_sharding import check_tensor_parallel
+from rollout_engine.worker.models.transformers_backend import TransformersForCausalLM
 from rollout_engine.worker.tp_group import TPGroup
 from rollout_engine.worker.weight_update import WeightUpdater
 
@@ -54,23 +59,19 @@ class Worker:
     ) -> None:
         model_config, cache_config = config.model_config, config.cache_config
         self.tp = tp = tp or TPGroup()
-        check_tensor_parallel(hf_config, tp.size)
+        self.model_impl = check_model_impl(config, hf_config)
         self.device = device or torch.device(model_config.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # this thread's kernels go to the engine's GPU
         self.dtype = resolve_dtype(model_config.dtype, hf_config, self.device)
         self.memory = EngineMemory(self.device, event_log)
-        weights_pool = self.memory.create_weights_pool(
-            parameter_nbytes(hf_config, self.dtype, tp=tp)
-        )
-        model = build_model(
-            hf_config, self.dtype, self.device, max_model_len, allocate=weights_pool.allocate,
-            tp=tp,
-        )
-        load_weights(model, iterate_checkpoint_slices(model_config.model))
+        model, weights_bytes = self._load_model(model_config.model, hf_config, max_model_len)
 
         self.packed_weights: PackedWeights | None = None
-        if model_config.cpu_packed_weights and can_pack(self.device, self.dtype):
+        if (
+            self.model_impl == "native" and model_config.cpu_packed_weights
+            and can_pack(self.device, self.dtype)
+        ):  # packing knows the native decoder's linears only
             self.packed_weights = PackedWeights(model)
 
         def after_update() -> None:
@@ -81,11 +82,9 @@ class Worker:
             self._return_cached_device_memory()  # the update's staging copies
 
         self.weights = WeightUpdater(model, self.memory, event_log, after_update)
-        kv_spec = self.kv_spec = KVCacheSpec.from_model(
-            hf_config, cache_config.block_size, self.dtype, tp.size
-        )
+        kv_spec = self.kv_spec = self._kv_cache_spec(model, hf_config, cache_config.block_size)
         self.num_blocks = kv_spec.num_blocks_for(
-            cache_config, self._kv_cache_bytes(config, hf_config, weights_pool.num_bytes)
+            cache_config, self._kv_cache_bytes(config, hf_config, weights_bytes)
         )
         layout = kv_cache_layout(self.device)
         # CUDA graphs pad batches; padding rows write to one block outside the pool.
@@ -107,6 +106,40 @@ class Worker:
             model, kv_caches, cache_config.block_size, model_config.seed, decode_graphs,
             is_driver=tp.is_driver, packed_weights=self.packed_weights,
         )
+
+    def _load_model(
+        self, model_dir: str, hf_config, max_model_len: int
+    ) -> tuple[DecoderForCausalLM | TransformersForCausalLM, int]:
+        """The model holding the checkpoint's weights in the "weights" pool, and the pool's
+        size in bytes. A transformers-backend model is probed once loaded (`check_runs`)."""
+        checkpoint = iterate_checkpoint_slices(model_dir)
+        if self.model_impl == "native":
+            pool = self.memory.create_weights_pool(
+                parameter_nbytes(hf_config, self.dtype, tp=self.tp)
+            )
+            model = build_model(
+                hf_config, self.dtype, self.device, max_model_len, allocate=pool.allocate,
+                tp=self.tp,
+            )
+            load_weights(model, checkpoint)
+            return model, pool.num_bytes
+        backend_model = TransformersForCausalLM(hf_config, self.dtype)  # on the meta device
+        pool = self.memory.create_weights_pool(pool_nbytes(backend_model, self.dtype))
+        backend_model.materialize(pool.allocate, self.device)
+        backend_model.load_checkpoint(checkpoint)
+        backend_model.check_runs()
+        return backend_model, pool.num_bytes
+
+    def _kv_cache_spec(
+        self, model: DecoderForCausalLM | TransformersForCausalLM, hf_config, block_size: int
+    ) -> KVCacheSpec:
+        """The native decoder's from its config (this rank's KV heads); a transformers-backend
+        model's from the per-layer KV shapes its load probe checked."""
+        if isinstance(model, TransformersForCausalLM):
+            return KVCacheSpec(
+                model.num_layers, block_size, model.num_kv_heads, model.head_dim, self.dtype
+            )
+        return KVCacheSpec.from_model(hf_config, block_size, self.dtype, self.tp.size)
 
     def check_ready(self) -> None:
         """EngineSleepingError saying what to call, unless weights and KV cache are ready."""
@@ -183,3 +216,27 @@ class Worker:
     def weight_ptrs(self) -> dict[str, int]:
         """Address of every parameter the model uses; stable across sleep, wake and updates."""
         return {name: p.data_ptr() for name, p in self.model_runner.model.named_parameters()}
+
+
+def check_model_impl(config: EngineConfig, hf_config) -> ResolvedModelImpl:
+    """The modeling code this engine runs its model with; ValueError for what that code cannot
+    do: the native decoder checks its tensor-parallel split, the transformers backend runs
+    replicated and eagerly (no tensor parallelism, no CUDA graphs yet)."""
+    model_impl = resolve_model_impl(hf_config, config.model_config.model_impl)
+    tp_size = config.parallel_config.tensor_parallel_size
+    if model_impl == "native":
+        check_tensor_parallel(hf_config, tp_size)
+        return model_impl
+    architecture = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
+    if tp_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size {tp_size}: the transformers backend (model_impl="
+            f"'transformers', which runs {architecture}) does not split models yet; use "
+            "tensor_parallel_size=1"
+        )
+    if config.model_config.cuda_graphs:
+        raise ValueError(
+            f"cuda_graphs: the transformers backend (which runs {architecture}) runs eagerly; "
+            "turn cuda_graphs off"
+        )
+    return model_impl

@@ -59,20 +59,24 @@ def head_dim_of(config) -> int:
 def sliding_windows_of(config) -> list[int | None]:
     """Per layer, its sliding window (None: full attention), as transformers reads the config:
     `layer_types` when present, else `sliding_window` (if set) for every layer. ModelLoadError
-    for a layer type this decoder cannot run."""
+    for a layer type this decoder cannot run. `sliding_window` is checked only where a layer
+    uses it (Qwen2-MoE sets it to 0 when no layer slides)."""
     window = getattr(config, "sliding_window", None)
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise ModelLoadError(f"config.sliding_window must be a positive integer, got {window!r}")
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:
-        return [window] * config.num_hidden_layers
-    unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
-    if unknown or len(layer_types) != config.num_hidden_layers:
-        raise ModelLoadError(
-            f"config.layer_types must name one of {_LAYER_TYPES} for each of the "
-            f"{config.num_hidden_layers} layers; got {list(layer_types)}"
-        )
-    return [window if kind == "sliding_attention" else None for kind in layer_types]
+        windows = [window] * config.num_hidden_layers
+    else:
+        unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
+        if unknown or len(layer_types) != config.num_hidden_layers:
+            raise ModelLoadError(
+                f"config.layer_types must name one of {_LAYER_TYPES} for each of the "
+                f"{config.num_hidden_layers} layers; got {list(layer_types)}"
+            )
+        windows = [window if kind == "sliding_attention" else None for kind in layer_types]
+    is_used = any(w is not None for w in windows)
+    if is_used and (not isinstance(window, int) or window < 1):
+        raise ModelLoadError(f"config.sliding_window must be a positive integer, got {window!r}")
+    return windows
 
 
 class Attention(nn.Module):

@@ -1,11 +1,12 @@
-"""Loads a Hugging Face model directory (config + safetensors) into our decoder."""
+"""Loads a Hugging Face model directory (config + safetensors) into our decoder or, for other
+architectures, into the transformers backend (`transformers_backend.py`)."""
 
 from __future__ import annotations
 
 import glob
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -25,10 +26,16 @@ Allocator = Callable[[torch.Size, torch.dtype], torch.Tensor]
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Checkpoint entries that are not parameters of ours.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# The native decoder has no lm_head module when the embeddings are tied: a checkpoint (or an
+# update) naming it means the embedding.
+_NATIVE_TIED_ALIASES = {"lm_head.weight": "model.embed_tokens.weight"}
+
+ResolvedModelImpl = Literal["native", "transformers"]
 
 
-def load_hf_config(model_dir: str):
-    """The checkpoint's transformers config; ModelLoadError if missing or unsupported."""
+def load_hf_config(model_dir: str, model_impl: str = "auto"):
+    """The checkpoint's transformers config; ModelLoadError if missing, or if `model_impl`
+    (see `ModelConfig.model_impl`) cannot run it."""
     if not os.path.isdir(model_dir):
         raise ModelLoadError(f"model directory {model_dir!r} does not exist")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
@@ -39,14 +46,28 @@ def load_hf_config(model_dir: str):
         config = AutoConfig.from_pretrained(model_dir)
     except (ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"cannot read the config in {model_dir!r}: {exc}") from exc
-    architecture = (getattr(config, "architectures", None) or ["?"])[0]
+    if resolve_model_impl(config, model_impl) == "native":
+        sliding_windows_of(config)  # a layer type we cannot run is refused here, with the reason
+    else:
+        from rollout_engine.worker.models.transformers_backend import check_config
+
+        check_config(config)
+    return config
+
+
+def resolve_model_impl(hf_config, model_impl: str) -> ResolvedModelImpl:
+    """The modeling code that runs this config: "auto" takes the native decoder for the
+    architectures it has and the transformers backend for every other one; ModelLoadError
+    for "native" on an architecture it does not have."""
+    architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
+    if model_impl == "transformers" or (model_impl == "auto" and architecture not in ARCHITECTURES):
+        return "transformers"
     if architecture not in ARCHITECTURES:
         raise ModelLoadError(
-            f"unsupported architecture {architecture!r} in {model_dir!r}; "
-            f"supported: {sorted(ARCHITECTURES)}"
+            f"architecture {architecture!r} has no native implementation (native: "
+            f"{sorted(ARCHITECTURES)}); use model_impl='transformers' or 'auto'"
         )
-    sliding_windows_of(config)  # a layer type we cannot run is refused here, with the reason
-    return config
+    return "native"
 
 
 def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
@@ -75,12 +96,7 @@ def build_model(
         model = DecoderForCausalLM(hf_config, max_positions, tp)
     if allocate is None:
         allocate = lambda shape, dt: torch.empty(shape, dtype=dt, device=device)
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None:
-                module._parameters[name] = nn.Parameter(
-                    allocate(param.shape, dtype), requires_grad=False
-                )
+    materialize_parameters(model, dtype, allocate)
     rotary = model.model.rotary_emb
     rotary.cos_sin = torch.empty(rotary.cos_sin.shape, dtype=torch.float32, device=device)
     rotary.rebuild()
@@ -93,8 +109,45 @@ def parameter_nbytes(
     """Bytes the model's parameters (this rank's shard) need, each rounded up to `alignment`."""
     with torch.device("meta"):
         model = DecoderForCausalLM(hf_config, max_positions=1, tp=tp)
+    return pool_nbytes(model, dtype, alignment)
+
+
+def pool_nbytes(model: nn.Module, dtype: torch.dtype, alignment: int = 256) -> int:
+    """Bytes `model`'s parameters (a tied one once) take in a pool as `dtype`, each rounded
+    up to `alignment`."""
     size = torch.tensor([], dtype=dtype).element_size()
     return sum(-(-p.numel() * size // alignment) * alignment for p in model.parameters())
+
+
+def materialize_parameters(model: nn.Module, dtype: torch.dtype, allocate: Allocator) -> None:
+    """Give every parameter of a meta-device model uninitialised storage from `allocate`. A
+    parameter held by several modules (tied embeddings) gets one storage, still shared."""
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in replaced:
+                storage = allocate(param.shape, dtype)
+                replaced[id(param)] = nn.Parameter(storage, requires_grad=False)
+            module._parameters[name] = replaced[id(param)]
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Alias -> parameter name for tied weights: the other names of a parameter that several
+    modules hold (`named_parameters()` gives it once, under the first), plus the native
+    decoder's `lm_head.weight` when it has no lm_head of its own."""
+    canonical: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first = canonical.setdefault(id(param), name)
+        if first != name:
+            aliases[name] = first
+    names = set(canonical.values()) | set(aliases)
+    for alias, name in _NATIVE_TIED_ALIASES.items():
+        if alias not in names and name in names:
+            aliases[alias] = name
+    return aliases
 
 
 def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -116,14 +169,16 @@ def iterate_checkpoint_slices(model_dir: str) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)
 
 
-def load_weights(model: DecoderForCausalLM, weights: Iterator[tuple[str, Any]]) -> None:
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, Any]]) -> None:
     """Copy checkpoint tensors (or lazy slices) into the parameters of the same name, each
-    rank taking its shard; all must be present with their full checkpoint shapes."""
+    rank taking its shard; all must be present with their full checkpoint shapes. A tied
+    weight's other names (`tied_aliases`) are skipped: their tensor is the same."""
     params = dict(model.named_parameters())
     specs = model.shard_specs()
+    aliases = tied_aliases(model)
     missing = set(params)
     for name, tensor in weights:
-        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and name not in params):
+        if name.endswith(_IGNORED_SUFFIXES) or name in aliases:
             continue
         param = params.get(name)
         if param is None:
