@@ -112,7 +112,6 @@ class Worker:
     ) -> tuple[DecoderForCausalLM | TransformersForCausalLM, int]:
         """The model holding the checkpoint's weights in the "weights" pool, and the pool's
         size in bytes. A transformers-backend model is probed once loaded (`check_runs`)."""
-        checkpoint = iterate_checkpoint_slices(model_dir)
         if self.model_impl == "native":
             pool = self.memory.create_weights_pool(
                 parameter_nbytes(hf_config, self.dtype, tp=self.tp)
@@ -121,12 +120,12 @@ class Worker:
                 hf_config, self.dtype, self.device, max_model_len, allocate=pool.allocate,
                 tp=self.tp,
             )
-            load_weights(model, checkpoint)
+            load_weights(model, iterate_checkpoint_slices(model_dir))
             return model, pool.num_bytes
         backend_model = TransformersForCausalLM(hf_config, self.dtype)  # on the meta device
         pool = self.memory.create_weights_pool(pool_nbytes(backend_model, self.dtype))
         backend_model.materialize(pool.allocate, self.device)
-        backend_model.load_checkpoint(checkpoint)
+        backend_model.load_checkpoint(model_dir)
         backend_model.check_runs()
         return backend_model, pool.num_bytes
 

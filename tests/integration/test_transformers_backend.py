@@ -65,6 +65,10 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "helium": ("HeliumConfig", {**LLAMA_LIKE, "head_dim": 16}),
     "exaone4": ("Exaone4Config", {**LLAMA_LIKE, "sliding_window": 8}),
     "arcee": ("ArceeConfig", LLAMA_LIKE),
+    # MoE: transformers fuses the checkpoint's per-expert tensors on load.
+    "mixtral": ("MixtralConfig", {**LLAMA_LIKE, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("Qwen2MoeConfig", {**LLAMA_LIKE, **MOE, "shared_expert_intermediate_size": 64}),
+    "qwen3_moe": ("Qwen3MoeConfig", {**LLAMA_LIKE, **MOE, "head_dim": 16}),
     "gpt2": ("GPT2Config", GPT2_LIKE),
     "gptj": ("GPTJConfig", {**GPT2_LIKE, "rotary_dim": 8}),
     "codegen": ("CodeGenConfig", {**GPT2_LIKE, "rotary_dim": 8, "n_ctx": 256}),
@@ -96,13 +100,6 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
                               "attn_layer_period": 2, "attn_layer_offset": 1},
               "recurrent or hybrid"),
     "gemma2": ("Gemma2Config", {**LLAMA_LIKE, "head_dim": 16}, "attention logit softcapping"),
-    # transformers fuses the checkpoint's per-expert tensors on load: a later slice.
-    "mixtral": ("MixtralConfig", {**LLAMA_LIKE, "num_local_experts": 4, "num_experts_per_tok": 2},
-                "converts mixtral's checkpoint tensors"),
-    "qwen2_moe": ("Qwen2MoeConfig", {**LLAMA_LIKE, **MOE, "shared_expert_intermediate_size": 64},
-                  "converts qwen2_moe's checkpoint tensors"),
-    "qwen3_moe": ("Qwen3MoeConfig", {**LLAMA_LIKE, **MOE, "head_dim": 16},
-                  "converts qwen3_moe's checkpoint tensors"),
 }
 
 
@@ -216,3 +213,25 @@ def test_sleep_and_wake_give_the_same_tokens(model_dir_of, level):
         llm.update_weights(dict(iterate_checkpoint(model_dir)))
     assert greedy_tokens(llm, PROMPTS) == before
 
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_moe_model_sleeps_and_takes_a_trainers_named_parameters(model_dir_of, level):
+    """Qwen3-MoE: its checkpoint holds one tensor per expert, the module fused ones (what
+    transformers converts on load); a trainer sends the module's names."""
+    llm = LLM(model_dir_of("qwen3_moe"), **ENGINE_OPTIONS)
+    new_dir = model_dir_of("qwen3_moe", seed=1)
+    expected = [hf_greedy(new_dir, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
+    before = greedy_tokens(llm, PROMPTS)
+    assert before != expected
+    llm.sleep(level=level)
+    if level == 1:
+        llm.wake_up()
+        assert greedy_tokens(llm, PROMPTS) == before
+    else:
+        llm.wake_up(["weights"])  # discarded: the update fills them
+    trainer_model = load_hf_model(new_dir)
+    assert any("experts.gate_up_proj" in name for name, _ in trainer_model.named_parameters())
+    assert llm.update_weights(trainer_model.named_parameters()) == 1
+    llm.wake_up()
+    assert greedy_tokens(llm, PROMPTS) == expected

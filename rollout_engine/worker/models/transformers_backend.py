@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,7 +25,11 @@ from torch import nn
 from kernels import AttentionMetadata
 from rollout_engine.protocol import ModelLoadError
 from rollout_engine.worker.models.decoder import head_dim_of, sliding_windows_of
-from rollout_engine.worker.models.loader import load_weights, materialize_parameters
+from rollout_engine.worker.models.loader import (
+    iterate_checkpoint_slices,
+    load_weights,
+    materialize_parameters,
+)
 from rollout_engine.worker.models.tp_sharding import ShardSpec
 from rollout_engine.worker.models.transformers_attention import (
     ATTENTION_NAME,
@@ -224,26 +228,36 @@ class TransformersForCausalLM(nn.Module):
                         f"{self.config.model_type} outside from_pretrained; not supported yet"
                     )
 
-    def load_checkpoint(self, checkpoint: Iterator[tuple[str, Any]]) -> None:
-        """Load checkpoint tensors by name (`loader.load_weights`), after the renames
-        transformers applies on load (GPT-NeoX's `embed_out` is its `lm_head`). Tensors it
-        converts (MoE experts fused into one tensor per layer) are refused, with that reason."""
+    def load_checkpoint(self, model_dir: str) -> None:
+        """Load the checkpoint's tensors into the parameters of the same name
+        (`loader.load_weights`). Names are the checkpoint's after the renames transformers
+        applies on load (GPT-NeoX's `embed_out` is its `lm_head`), streamed from the files.
+        A model whose tensors transformers converts on load (MoE experts fused into one
+        tensor per layer) is loaded by transformers itself first, on the host, and copied
+        from there: its conversions are the truth, at the cost of one host copy while loading."""
         from transformers.conversion_mapping import extract_weight_conversions_for_model
         from transformers.core_model_loading import WeightRenaming, apply_renamings
 
         conversions = extract_weight_conversions_for_model(self._causal_lm) or []
         renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-        renamed = ((apply_renamings(name, renamings), tensor) for name, tensor in checkpoint)
+        if len(renamings) == len(conversions):
+            checkpoint = iterate_checkpoint_slices(model_dir)
+            load_weights(self, ((apply_renamings(name, renamings), t) for name, t in checkpoint))
+            return
+        load_weights(self, self._converted_checkpoint(model_dir))
+
+    def _converted_checkpoint(self, model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every parameter of the model transformers loads from `model_dir`
+        (on the host, in this model's dtype), converted as its `from_pretrained` converts."""
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=self.dtype, attn_implementation=ATTENTION_NAME
+        )
         try:
-            load_weights(self, renamed)
-        except ModelLoadError as exc:
-            if len(renamings) == len(conversions):
-                raise
-            raise ModelLoadError(
-                f"{exc}: transformers converts {self.config.model_type}'s checkpoint tensors "
-                "on load (e.g. fuses MoE experts into one tensor), which the transformers "
-                "backend does not do yet"
-            ) from exc
+            yield from loaded.named_parameters()
+        finally:
+            del loaded
 
     def forward(
         self,
