@@ -14,7 +14,7 @@ from rollout_engine.protocol import StepFailedError
 from rollout_engine.worker.cuda_graphs import DecodeGraphs
 from rollout_engine.worker.fault_injection import FaultInjector
 from rollout_engine.worker.models.decoder import DecoderForCausalLM
-from rollout_engine.worker.models.packed_linear import PackedWeights
+from rollout_engine.worker.models.packed_linear import PackedModuleLinears, PackedWeights
 from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
 from rollout_engine.worker.sampler import Sampler
 from rollout_engine.worker.staging import HostStaging
@@ -48,7 +48,7 @@ class ModelRunner:
         seed: int,
         decode_graphs: DecodeGraphs | None = None,
         is_driver: bool = True,
-        packed_weights: PackedWeights | None = None,
+        packed_weights: PackedWeights | PackedModuleLinears | None = None,
     ) -> None:
         self.model = model
         self.packed_weights = packed_weights

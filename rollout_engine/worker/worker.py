@@ -31,7 +31,11 @@ from rollout_engine.worker.models.loader import (
     resolve_dtype,
     resolve_model_impl,
 )
-from rollout_engine.worker.models.packed_linear import PackedWeights, can_pack
+from rollout_engine.worker.models.packed_linear import (
+    PackedModuleLinears,
+    PackedWeights,
+    can_pack,
+)
 from rollout_engine.worker.models.tp_sharding import check_tensor_parallel
 from rollout_engine.worker.models.transformers_backend import TransformersForCausalLM
 from rollout_engine.worker.tp_group import TPGroup
@@ -67,12 +71,11 @@ class Worker:
         self.memory = EngineMemory(self.device, event_log)
         model, weights_bytes = self._load_model(model_config.model, hf_config, max_model_len)
 
-        self.packed_weights: PackedWeights | None = None
-        if (
-            self.model_impl == "native" and model_config.cpu_packed_weights
-            and can_pack(self.device, self.dtype)
-        ):  # packing knows the native decoder's linears only
-            self.packed_weights = PackedWeights(model)
+        self.packed_weights: PackedWeights | PackedModuleLinears | None = None
+        if model_config.cpu_packed_weights and can_pack(self.device, self.dtype):
+            # The native decoder's linears packed fused; HF's (the backend) one by one.
+            packed_class = PackedWeights if self.model_impl == "native" else PackedModuleLinears
+            self.packed_weights = packed_class(model)
 
         def after_update() -> None:
             on_weight_update()

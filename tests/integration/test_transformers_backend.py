@@ -15,6 +15,7 @@ from rollout_engine import LLM, SamplingParams
 from rollout_engine.protocol import ModelLoadError
 from rollout_engine.tiny_model import BOS_TOKEN, EOS_TOKEN, SPECIAL_TOKENS, write_model_dir
 from rollout_engine.worker.models.loader import iterate_checkpoint
+from rollout_engine.worker.models.packed_linear import PackedModuleLinears
 from rollout_engine.worker.models.transformers_backend import TransformersForCausalLM
 from tests.integration.hf_oracle import hf_greedy, load_hf_model
 
@@ -161,6 +162,8 @@ def test_greedy_matches_transformers(model_dir_of, model_type):
     expected = [hf_greedy(model_dir, prompt, MAX_NEW_TOKENS) for prompt in prompts]
     llm = LLM(model_dir, model_impl="transformers", **ENGINE_OPTIONS)
     assert greedy_tokens(llm, prompts) == expected
+    packed = llm.engine.worker.packed_weights  # CPU: HF's nn.Linear modules ran packed
+    assert packed.is_packed and (packed.num_bytes > 0) == bool(packed.linears)
     assert llm.engine.scheduler.num_prefix_hit_tokens > 0
     # Buffers (RoPE's inv_freq, embedding scales) equal those from_pretrained computes.
     hf_buffers = dict(load_hf_model(model_dir).named_buffers())
@@ -173,7 +176,8 @@ def test_auto_picks_native_for_native_architectures_and_transformers_for_others(
     assert llm.engine.worker.model_impl == "native"
     llm = LLM(model_dir_of("gpt2"), num_blocks=16)
     assert llm.engine.worker.model_impl == "transformers"
-    assert llm.engine.worker.packed_weights is None  # packing knows native linears only
+    # CPU: HF's own nn.Linear modules run on packed copies, one by one.
+    assert isinstance(llm.engine.worker.packed_weights, PackedModuleLinears)
 
 
 def test_native_refuses_an_architecture_it_does_not_have(model_dir_of):

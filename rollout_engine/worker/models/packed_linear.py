@@ -50,13 +50,15 @@ class PackedLinear:
     """Out features of each fused linear (None: one linear)."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """x: [rows, in features] -> [rows, out features] (split when fused)."""
+        """x: [..., in features] -> [..., out features] (split when fused)."""
+        leading = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])
         num_rows = x.shape[0]
         bucket = row_bucket(num_rows)
         if bucket != num_rows:
             x = torch.cat([x, x.new_zeros(bucket - num_rows, x.shape[1])])
         out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        out = out[:num_rows]
+        out = out[:num_rows].reshape(*leading, -1)
         return out if self.split_sizes is None else out.split(self.split_sizes, dim=-1)
 
     @property
@@ -133,3 +135,39 @@ class PackedWeights:
                            mlp.down_proj.packed):
                 total += packed.num_bytes
         return total
+
+
+class PackedModuleLinears:
+    """The same for a model whose module tree is not ours (the transformers backend): every
+    `nn.Linear` runs on a packed copy of its own weight (no fusion), its `forward` replaced
+    by the packed call while packed and given back when dropped. Same lifetime rules as
+    `PackedWeights`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.linears = [
+            m for m in model.modules()
+            if type(m) is torch.nn.Linear and m.weight.dtype in PACKABLE_DTYPES
+        ]
+        self.is_packed = False
+        self.num_packs = 0
+
+    @torch.inference_mode()
+    def ensure(self) -> None:
+        if self.is_packed:
+            return
+        for linear in self.linears:
+            # An instance attribute: nn.Module.__call__ finds it before the class's forward.
+            linear.forward = _pack_linears([linear], True)
+        self.is_packed = True
+        self.num_packs += 1
+
+    def drop(self) -> None:
+        for linear in self.linears:
+            linear.__dict__.pop("forward", None)  # nn.Linear.forward again
+        self.is_packed = False
+
+    @property
+    def num_bytes(self) -> int:
+        if not self.is_packed:
+            return 0
+        return sum(linear.forward.num_bytes for linear in self.linears)
