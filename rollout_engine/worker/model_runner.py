@@ -109,8 +109,7 @@ class ModelRunner:
     def drop_requests(self, scheduler_output: SchedulerOutput) -> None:
         """An empty step that tells of finished or preempted requests: forget them (nothing
         runs, so it is not a prepared step)."""
-        self.batch.drop(scheduler_output.finished_request_ids)
-        self.batch.drop(scheduler_output.preempted_request_ids)
+        self.batch.forget_dropped(scheduler_output)
 
     @torch.inference_mode()
     def run(self, prepared: PreparedStep) -> ModelRunnerOutput:

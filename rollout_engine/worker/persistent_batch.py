@@ -81,8 +81,7 @@ class PersistentBatch:
     def update(self, scheduler_output: SchedulerOutput) -> list[StepRequest]:
         """Apply a step's deltas; the step's requests in batch order. Steps must be applied in
         the order they were scheduled."""
-        self.drop(scheduler_output.finished_request_ids)
-        self.drop(scheduler_output.preempted_request_ids)
+        self.forget_dropped(scheduler_output)
         for new in scheduler_output.new_requests:
             self._add(new)
         step: list[StepRequest] = []
@@ -119,6 +118,12 @@ class PersistentBatch:
                 token_ids=state.token_ids,
             ))
         return step
+
+    def forget_dropped(self, scheduler_output: SchedulerOutput) -> None:
+        """Forget the requests a step says finished or were preempted (an empty step says so
+        too, though nothing runs)."""
+        self.drop(scheduler_output.finished_request_ids)
+        self.drop(scheduler_output.preempted_request_ids)
 
     def drop(self, request_ids: list[str]) -> None:
         """Forget requests (finished or preempted); unknown ids are ignored."""

@@ -201,8 +201,7 @@ class FakeModelRunner:
 
     def drop_requests(self, scheduler_output: SchedulerOutput) -> None:
         """An empty step (not run): the worker still forgets what it finished or preempted."""
-        self.batch.drop(scheduler_output.finished_request_ids)
-        self.batch.drop(scheduler_output.preempted_request_ids)
+        self.batch.forget_dropped(scheduler_output)
 
     def _check_inputs(self, scheduled: StepRequest) -> list[int]:
         """The request's tokens (committed + drafts); checks what the runner was given."""
