@@ -88,13 +88,13 @@ def _pack_linears(linears: list[torch.nn.Linear], with_bias: bool) -> PackedLine
     return pack([linear.weight for linear in linears], biases)
 
 
-class PackedWeights:
-    """A decoder's packed linears: built by the first forward that needs them, dropped when
-    the weights change. Each layer module reads its own (`packed_qkv`, `packed`...); None
-    means the plain `F.linear` path."""
+class _PackedCopies:
+    """Packed copies of a model's linears, built by the first forward that needs them
+    (`ensure`) and dropped when the weights change (`drop`). Subclasses say where the copies
+    go: `_install` packs and hands them to the modules, `_uninstall` takes them back."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    def __init__(self) -> None:
+        self._copies: list[PackedLinear] = []
         self.is_packed = False
         self.num_packs = 0
         """How many times the weights were packed (once per load, wake or update)."""
@@ -104,6 +104,38 @@ class PackedWeights:
         """Pack every linear unless they are packed already."""
         if self.is_packed:
             return
+        self._copies = self._install()
+        self.is_packed = True
+        self.num_packs += 1
+
+    def drop(self) -> None:
+        """Forget the packed copies (the weights changed or are about to be released)."""
+        self._uninstall()
+        self._copies = []
+        self.is_packed = False
+
+    @property
+    def num_bytes(self) -> int:
+        """Memory the packed copies hold now."""
+        return sum(copy.num_bytes for copy in self._copies)
+
+    def _install(self) -> list[PackedLinear]:
+        raise NotImplementedError
+
+    def _uninstall(self) -> None:
+        raise NotImplementedError
+
+
+class PackedWeights(_PackedCopies):
+    """The native decoder's linears, q|k|v and gate|up fused. Each layer module reads its own
+    (`packed_qkv`, `packed`...); None means the plain `F.linear` path."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def _install(self) -> list[PackedLinear]:
+        copies = []
         for layer in self.model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.packed_qkv = _pack_linears([attn.q_proj, attn.k_proj, attn.v_proj], True)
@@ -111,63 +143,36 @@ class PackedWeights:
             attn.o_proj.packed = _pack_linears([attn.o_proj], attn.o_proj.tp.size == 1)
             mlp.packed_gate_up = _pack_linears([mlp.gate_proj, mlp.up_proj], True)
             mlp.down_proj.packed = _pack_linears([mlp.down_proj], mlp.down_proj.tp.size == 1)
+            copies += [attn.packed_qkv, attn.o_proj.packed, mlp.packed_gate_up,
+                       mlp.down_proj.packed]
         self.model.packed_logits = pack([self.model.logits_weight])
-        self.is_packed = True
-        self.num_packs += 1
+        return [*copies, self.model.packed_logits]
 
-    def drop(self) -> None:
-        """Forget the packed copies (the weights changed or are about to be released)."""
+    def _uninstall(self) -> None:
         for layer in self.model.model.layers:
             layer.self_attn.packed_qkv = layer.self_attn.o_proj.packed = None
             layer.mlp.packed_gate_up = layer.mlp.down_proj.packed = None
         self.model.packed_logits = None
-        self.is_packed = False
-
-    @property
-    def num_bytes(self) -> int:
-        """Memory the packed copies hold now."""
-        if not self.is_packed:
-            return 0
-        total = self.model.packed_logits.num_bytes
-        for layer in self.model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for packed in (attn.packed_qkv, attn.o_proj.packed, mlp.packed_gate_up,
-                           mlp.down_proj.packed):
-                total += packed.num_bytes
-        return total
 
 
-class PackedModuleLinears:
+class PackedModuleLinears(_PackedCopies):
     """The same for a model whose module tree is not ours (the transformers backend): every
     `nn.Linear` runs on a packed copy of its own weight (no fusion), its `forward` replaced
-    by the packed call while packed and given back when dropped. Same lifetime rules as
-    `PackedWeights`."""
+    by the packed call while packed and given back when dropped."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
         self.linears = [
             m for m in model.modules()
             if type(m) is torch.nn.Linear and m.weight.dtype in PACKABLE_DTYPES
         ]
-        self.is_packed = False
-        self.num_packs = 0
 
-    @torch.inference_mode()
-    def ensure(self) -> None:
-        if self.is_packed:
-            return
+    def _install(self) -> list[PackedLinear]:
         for linear in self.linears:
             # An instance attribute: nn.Module.__call__ finds it before the class's forward.
             linear.forward = _pack_linears([linear], True)
-        self.is_packed = True
-        self.num_packs += 1
+        return [linear.forward for linear in self.linears]
 
-    def drop(self) -> None:
+    def _uninstall(self) -> None:
         for linear in self.linears:
             linear.__dict__.pop("forward", None)  # nn.Linear.forward again
-        self.is_packed = False
-
-    @property
-    def num_bytes(self) -> int:
-        if not self.is_packed:
-            return 0
-        return sum(linear.forward.num_bytes for linear in self.linears)
