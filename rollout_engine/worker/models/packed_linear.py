@@ -14,6 +14,7 @@ the linear weights while the engine is awake.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +26,23 @@ to 2,048 the hint changes no GEMM's speed here)."""
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this build of torch runs packed linears for weights on `device` of `dtype`."""
-    return device.type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
+    """Whether this build of torch, on this CPU, runs packed linears for weights on `device` of
+    `dtype`. oneDNN's bf16 path needs AVX-512 (bw, vl, dq) or AVX-NE-CONVERT: on a CPU with
+    neither, packing a bf16 weight raises, so bf16 linears stay on `F.linear` there."""
+    return (
+        device.type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
+        and _cpu_packs(dtype)
+    )
+
+
+@functools.cache
+def _cpu_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs (and runs) a small linear of `dtype` on this CPU: asked once."""
+    try:
+        pack([torch.ones(16, 16, dtype=dtype)])(torch.ones(1, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
 
 
 def row_bucket(num_rows: int) -> int:
