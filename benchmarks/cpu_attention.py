@@ -16,6 +16,7 @@ own tokens once per sample, keys and values.
 
     python benchmarks/cpu_attention.py                      # contexts 256, 1024, 4096
     python benchmarks/cpu_attention.py --contexts 1024 --threads 2 --seconds 5
+    python benchmarks/cpu_attention.py --softcap 50 --sinks  # a Gemma 2 / gpt-oss layer
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--seconds", type=float, default=3.0, help="timed calls per context")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--softcap", type=float, default=None,
+                        help="logit softcap c: scores become c * tanh(s / c) (Gemma 2: 50)")
+    parser.add_argument("--sinks", action="store_true",
+                        help="one sink logit per query head (gpt-oss)")
     return parser.parse_args()
 
 
@@ -87,13 +92,15 @@ def make_caches(num_blocks: int) -> torch.Tensor:
     return layout.logical_view(storage)
 
 
-def run(context: int, seconds: float, seed: int) -> dict:
+def run(context: int, seconds: float, seed: int, softcap: float | None = None,
+        sinks: bool = False) -> dict:
     metadata, num_blocks, kv_bytes = make_step(context, seed)
     caches = make_caches(num_blocks)
     query = torch.randn(metadata.num_reqs, NUM_HEADS, HEAD_DIM)
     scale = HEAD_DIM**-0.5
+    options = {"softcap": softcap, "sinks": torch.randn(NUM_HEADS) if sinks else None}
     start = time.perf_counter()
-    paged_attention(query, caches[0, 0], caches[0, 1], metadata, scale)  # builds the plan
+    paged_attention(query, caches[0, 0], caches[0, 1], metadata, scale, **options)  # the plan
     plan_ms = (time.perf_counter() - start) * 1e3
     times = []
     deadline = time.perf_counter() + seconds
@@ -101,7 +108,7 @@ def run(context: int, seconds: float, seed: int) -> dict:
     while time.perf_counter() < deadline or len(times) < 10:
         layer = (layer + 1) % caches.shape[0]
         start = time.perf_counter()
-        paged_attention(query, caches[layer, 0], caches[layer, 1], metadata, scale)
+        paged_attention(query, caches[layer, 0], caches[layer, 1], metadata, scale, **options)
         times.append(time.perf_counter() - start)
     ms = statistics.median(times) * 1e3
     return {"context": context, "ms": ms, "gbps": kv_bytes / ms / 1e6, "mb": kv_bytes / 1e6,
@@ -113,11 +120,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not cpu_extension.available():
         print("note: the compiled kernel is unavailable; timing the torch path")
+    features = "".join([f", softcap {args.softcap:g}" if args.softcap else "",
+                        ", sinks" if args.sinks else ""])
     print(f"{NUM_PROMPTS} prompts x {SAMPLES} samples, {NUM_HEADS} heads / {NUM_KV_HEADS} KV heads,"
-          f" head_dim {HEAD_DIM}, float32, block {BLOCK_SIZE}, {args.threads} threads")
+          f" head_dim {HEAD_DIM}, float32, block {BLOCK_SIZE}, {args.threads} threads{features}")
     print(f"{'context':>8} {'ms/call':>9} {'GB/s':>7} {'KV MB':>8} {'first ms':>9} {'calls':>6}")
     for context in args.contexts:
-        r = run(context, args.seconds, args.seed)
+        r = run(context, args.seconds, args.seed, args.softcap, args.sinks)
         print(f"{r['context']:>8} {r['ms']:>9.3f} {r['gbps']:>7.1f} {r['mb']:>8.1f}"
               f" {r['plan_ms']:>9.2f} {r['calls']:>6}")
 

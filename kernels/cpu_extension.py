@@ -85,17 +85,23 @@ def paged_attention_short(
     scale: float,
     out: torch.Tensor,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """Attention of the requests in `members` (each with a few query tokens) into `out`, in place.
+    """Attention of the requests in `members` (each with a few query tokens) into `out`
+    ([T, H, value_head_dim]), in place.
 
     Group g is `members[group_starts[g]:group_starts[g + 1]]`; its first `group_shared[g]`
     blocks are the same in every member and end before any member's first query token. Same
-    contract as `paged_attention_ref` for those requests (`sliding_window` included); see the
-    C++ source.
+    contract as `paged_attention_ref` for those requests (`sliding_window`, `softcap` and
+    `sinks` ([num_heads], any float dtype) included); see the C++ source.
     """
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
     torch.ops.rollout_cpu.paged_attention_short(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, members,
         group_starts, group_shared, float(scale), int(sliding_window or 0), out,
+        float(softcap or 0.0), sinks,
     )
 
 

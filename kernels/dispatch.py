@@ -37,7 +37,8 @@ def store_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write new K/V ([num_tokens, num_kv_heads, head_dim]) into the paged cache."""
+    """Write new K ([num_tokens, num_kv_heads, head_dim]) and V ([num_tokens, num_kv_heads,
+    value_head_dim]) into the paged caches ([num_blocks, block_size, num_kv_heads, *])."""
     backend = attention_backend(key.device, _use_triton(key))
     if backend == "triton":
         from kernels.triton_kv_store import store_kv_cache_triton
@@ -55,20 +56,27 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention over the paged KV cache; query [num_tokens, num_heads, head_dim].
+    """Causal attention over the paged KV cache: query [num_tokens, num_heads, head_dim] ->
+    [num_tokens, num_heads, value_head_dim] (the value cache's last dim, which may differ from
+    the keys', as in multi-head latent attention).
 
-    `sliding_window` W: each token sees its own key and the W - 1 before it only (a layer's
-    setting; None sees everything before it)."""
+    A layer's settings, as Hugging Face computes them: `sliding_window` W, each token sees its
+    own key and the W - 1 before it only (None sees everything before it); `softcap` c (Gemma
+    2), scores s become c * tanh(s / c) before the mask (None or 0: none); `sinks` ([num_heads],
+    gpt-oss), one more logit per head in the softmax, with a zero value."""
     backend = attention_backend(query.device, _use_triton(query))
     if backend == "triton":
         from kernels.triton_paged_attention import paged_attention_triton
 
         with _on_device(query):
             return paged_attention_triton(
-                query, key_cache, value_cache, metadata, scale, sliding_window
+                query, key_cache, value_cache, metadata, scale, sliding_window, softcap, sinks
             )
     if backend == "cpu":
         return paged_attention_cpu(query, key_cache, value_cache, metadata, scale,
-                                   sliding_window=sliding_window)
-    return paged_attention_ref(query, key_cache, value_cache, metadata, scale, sliding_window)
+                                   sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+    return paged_attention_ref(query, key_cache, value_cache, metadata, scale, sliding_window,
+                               softcap, sinks)

@@ -17,6 +17,12 @@ torch path, whose matmuls already run at the BLAS's speed.
 A layer's sliding window (see `paged_attention_ref`) is honoured everywhere: the kernel and the
 prefill chunks skip the blocks wholly outside it; the torch path for short queries masks them
 and shares no prefix (a shared prefix may be partly outside a member's window).
+
+So are a logit softcap, sinks and values of their own width (see `paged_attention_ref`). The
+softcap bends each score before the mask, which keeps the cascade's merge exact. Sinks are one
+more term of each row's softmax denominator: the torch path for short queries adds it once, at
+the end, from the row's final log-sum-exp (out * sigmoid(lse - sink)); the kernel starts each
+row's running softmax with it; prefill chunks take the reference's explicit path.
 """
 
 from __future__ import annotations
@@ -56,34 +62,42 @@ def paged_attention_cpu(
     scale: float,
     use_kernel: bool | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as `paged_attention_ref`: query [T, H, D] -> [T, H, D].
+    """Same contract as `paged_attention_ref`: query [T, H, Dk] -> [T, H, Dv].
 
     `use_kernel`: the compiled kernel for the short queries (None: wherever it is available,
-    False: the torch path). The choice is made once per step and window, with its plan.
+    False: the torch path). The choice is made once per step and window, with its plan (the
+    softcap and sinks change neither: every path takes them).
     """
     key = ("cpu_plan", sliding_window)
     plan = metadata.cache.get(key)
     if plan is None:
         if use_kernel is None:
-            use_kernel = _kernel_applies(query, key_cache) and cpu_extension.available()
+            use_kernel = (_kernel_applies(query, key_cache, value_cache)
+                          and cpu_extension.available())
         plan = metadata.cache[key] = _build_plan(metadata, use_kernel, sliding_window)
-    out = torch.empty_like(query)
+    softcap = softcap or None  # 0: none
+    sinks = None if sinks is None else sinks.float()  # [H]
+    out = query.new_empty(*query.shape[:2], value_cache.shape[-1])  # [T, H, Dv]
     if plan["kernel"] is not None:
         cpu_extension.paged_attention_short(
             query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-            metadata.query_start_loc, *plan["kernel"], scale, out, sliding_window,
+            metadata.query_start_loc, *plan["kernel"], scale, out, sliding_window, softcap,
+            sinks,
         )
     elif plan["own"] is not None:
-        o, lse = _attend(query, key_cache, value_cache, plan["own"], scale)
-        rows = plan["own"].rows[plan["own"].valid]
-        out[rows] = o.to(out.dtype)
+        o, lse = _attend(query, key_cache, value_cache, plan["own"], scale, softcap)
         if plan["shared"] is not None:
-            o_shared, lse_shared = _attend(query, key_cache, value_cache, plan["shared"], scale)
-            shared_rows = plan["shared"].rows[plan["shared"].valid]
-            own_index = plan["own_index_of_shared"]
-            merged = _merge(o[own_index], lse[own_index], o_shared, lse_shared)
-            out[shared_rows] = merged.to(out.dtype)
+            o_shared, lse_shared = _attend(query, key_cache, value_cache, plan["shared"], scale,
+                                           softcap)
+            own_index = plan["own_index_of_shared"]  # each shared slot's own slot: unique
+            o[own_index], lse[own_index] = _merge(o[own_index], lse[own_index], o_shared,
+                                                  lse_shared)
+        if sinks is not None:  # exp(lse) / (exp(lse) + exp(sink)): the sink's share taken off
+            o *= torch.sigmoid(lse - sinks).unsqueeze(-1)
+        out[plan["own"].rows[plan["own"].valid]] = o.to(out.dtype)
     block_size = key_cache.shape[1]
     for req, start, q_len, s_len in plan["single"]:
         # Blocks before the first query token's window are never read (a window is shifted
@@ -91,10 +105,10 @@ def paged_attention_cpu(
         first = max(0, s_len - q_len - sliding_window + 1) // block_size if sliding_window else 0
         table = metadata.block_tables[req, first : -(-s_len // block_size)].long()
         num_keys = s_len - first * block_size
-        k = _gather_heads_major(key_cache, table)[:, :num_keys]  # [Hkv, num_keys, D]
-        v = _gather_heads_major(value_cache, table)[:, :num_keys]
+        k = _gather_heads_major(key_cache, table)[:, :num_keys]  # [Hkv, num_keys, Dk]
+        v = _gather_heads_major(value_cache, table)[:, :num_keys]  # [Hkv, num_keys, Dv]
         out[start : start + q_len] = sdpa_causal_heads_major(
-            query[start : start + q_len], k, v, scale, sliding_window
+            query[start : start + q_len], k, v, scale, sliding_window, softcap, sinks
         )
     return out
 
@@ -106,14 +120,17 @@ def store_kv_cache_cpu(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """`store_kv_cache_ref`, with a fast path for a heads-major cache (see KVCacheSpec)."""
-    heads_major = key_cache.permute(2, 0, 1, 3)  # [Hkv, num_blocks, bs, D]
-    if not heads_major.is_contiguous():
+    """`store_kv_cache_ref`, with a fast path for heads-major caches (see KVCacheSpec); key and
+    value rows may differ in width (key [T, Hkv, Dk], value [T, Hkv, Dv])."""
+    key_heads_major = key_cache.permute(2, 0, 1, 3)  # [Hkv, num_blocks, bs, Dk]
+    value_heads_major = value_cache.permute(2, 0, 1, 3)  # [Hkv, num_blocks, bs, Dv]
+    if not (key_heads_major.is_contiguous() and value_heads_major.is_contiguous()):
         return store_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping)
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    for cache, new in ((heads_major, key), (value_cache.permute(2, 0, 1, 3), value)):
+    num_kv_heads = key.shape[1]
+    for cache, new in ((key_heads_major, key), (value_heads_major, value)):
         # [Hkv, num_slots, D] <- [Hkv, T, D]
-        cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, new.transpose(0, 1))
+        cache.view(num_kv_heads, -1, new.shape[-1]).index_copy_(1, slot_mapping,
+                                                                 new.transpose(0, 1))
 
 
 def _gather_heads_major(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -128,21 +145,26 @@ def _gather_heads_major(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tens
     return gathered.view(-1, num_kv_heads, head_dim).transpose(0, 1).contiguous()
 
 
-def _attend(query, key_cache, value_cache, part: _Part, scale: float):
-    """Attention of part's query slots with log-sum-exp: ([V, H, D], [V, H]) for valid slots."""
+def _attend(query, key_cache, value_cache, part: _Part, scale: float,
+            softcap: float | None = None):
+    """Attention of part's query slots with log-sum-exp: ([V, H, Dv], [V, H]) for valid slots
+    (no sinks: the caller adds them once its parts are merged)."""
     num, num_rows = part.rows.shape
     _, block_size, num_kv_heads, head_dim = key_cache.shape
+    value_dim = value_cache.shape[3]
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     length = part.tables.shape[1] * block_size
     k = _gather_heads_major(key_cache, part.tables).view(num_kv_heads, num, length, head_dim)
-    v = _gather_heads_major(value_cache, part.tables).view(num_kv_heads, num, length, head_dim)
+    v = _gather_heads_major(value_cache, part.tables).view(num_kv_heads, num, length, value_dim)
     k, v = k.float(), v.float()
-    q = query[part.rows].float()  # [N, R, H, D]
-    # Heads h = kv * group + j share KV head kv: [Hkv, N, group * R, D]
+    q = query[part.rows].float()  # [N, R, H, Dk]
+    # Heads h = kv * group + j share KV head kv: [Hkv, N, group * R, Dk]
     q = q.view(num, num_rows, num_kv_heads, group, head_dim).permute(2, 0, 3, 1, 4)
     q = q.reshape(num_kv_heads, num, group * num_rows, head_dim)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [Hkv, N, group * R, L]
+    if softcap:  # before the mask, as Hugging Face does: masked keys stay at -inf
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     scores = scores.view(num_kv_heads, num, group, num_rows, length)
     scores.masked_fill_(~part.mask.view(1, num, 1, num_rows, length), float("-inf"))
     m = scores.amax(-1, keepdim=True)  # [Hkv, N, group, R, 1]
@@ -150,26 +172,30 @@ def _attend(query, key_cache, value_cache, part: _Part, scale: float):
     p = torch.exp(scores - m)
     denom = p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     o = torch.matmul(p.view(num_kv_heads, num, group * num_rows, length), v)
-    o = o.view(num_kv_heads, num, group, num_rows, head_dim) / denom
+    o = o.view(num_kv_heads, num, group, num_rows, value_dim) / denom
     lse = (m + denom.log()).squeeze(-1)  # [Hkv, N, group, R]
-    # -> slots first: [N, R, H, D] and [N, R, H], then keep the valid slots.
-    o = o.permute(1, 3, 0, 2, 4).reshape(num, num_rows, num_heads, head_dim)
+    # -> slots first: [N, R, H, Dv] and [N, R, H], then keep the valid slots.
+    o = o.permute(1, 3, 0, 2, 4).reshape(num, num_rows, num_heads, value_dim)
     lse = lse.permute(1, 3, 0, 2).reshape(num, num_rows, num_heads)
     return o[part.valid], lse[part.valid]
 
 
-def _merge(o_a, lse_a, o_b, lse_b) -> torch.Tensor:
-    """Combine two attentions over disjoint key sets: o [V, H, D], lse [V, H]."""
+def _merge(o_a, lse_a, o_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two attentions over disjoint key sets: o [V, H, Dv], lse [V, H] -> the same."""
     m = torch.maximum(lse_a, lse_b)
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
-    return (o_a * w_a[..., None] + o_b * w_b[..., None]) / (w_a + w_b)[..., None]
+    total = w_a + w_b
+    return (o_a * w_a[..., None] + o_b * w_b[..., None]) / total[..., None], m + total.log()
 
 
-def _kernel_applies(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+def _kernel_applies(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> bool:
     return (
         query.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and query.stride(-1) == 1
         and key_cache.stride(-1) == 1
+        and value_cache.stride(-1) == 1
     )
 
 

@@ -1,4 +1,8 @@
-"""Triton kernel writing this step's K/V into the paged cache; same signature as the reference."""
+"""Triton kernel writing this step's K/V into the paged cache; same signature as the reference.
+
+Key and value rows may differ in width (multi-head latent attention): each is read and
+written with its own (HEAD_DIM, HEAD_DIM_V).
+"""
 
 from __future__ import annotations
 
@@ -12,9 +16,9 @@ from kernels.triton_utils import check_device, next_power_of_2
 @triton.jit
 def _store_kv_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
-    value_ptr,
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim_v]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache_ptr,
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     slot_mapping_ptr,  # [num_tokens] int64
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch,
@@ -24,6 +28,8 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -38,9 +44,11 @@ def _store_kv_kernel(
     k = tl.load(key_ptr + token * stride_kt + src, mask=mask)
     dst = block * stride_kcb + offset * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
     tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    src = offs_h[:, None] * stride_vh + offs_d[None, :]
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_dv[None, :] < HEAD_DIM_V)
+    src = offs_h[:, None] * stride_vh + offs_dv[None, :]
     v = tl.load(value_ptr + token * stride_vt + src, mask=mask)
-    dst = block * stride_vcb + offset * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
+    dst = block * stride_vcb + offset * stride_vcs + offs_h[:, None] * stride_vch + offs_dv[None, :]
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -53,14 +61,18 @@ def store_kv_cache_triton(
 ) -> None:
     """Write this step's K/V into their slots (a negative slot is skipped).
 
-    key, value: [num_tokens, num_kv_heads, head_dim]
-    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    key: [num_tokens, num_kv_heads, head_dim]; value: [num_tokens, num_kv_heads, head_dim_v]
+    key_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: [num_blocks, block_size, num_kv_heads, head_dim_v]
     slot_mapping: [num_tokens] int64
     """
     check_device(key, value, key_cache, value_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
-    assert value.shape == key.shape, (value.shape, key.shape)
+    head_dim_v = value.shape[2]
+    assert value.shape[:2] == key.shape[:2], (value.shape, key.shape)
     assert key_cache.shape[2:] == (num_kv_heads, head_dim), (key_cache.shape, key.shape)
+    assert value_cache.shape[:3] == key_cache.shape[:3], (value_cache.shape, key_cache.shape)
+    assert value_cache.shape[3] == head_dim_v, (value_cache.shape, value.shape)
     assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "cache rows must be dense"
     if num_tokens == 0:
         return
@@ -76,4 +88,6 @@ def store_kv_cache_triton(
         BLOCK_SIZE=key_cache.shape[1],
         HEADS_PAD=next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=next_power_of_2(head_dim),
+        HEAD_DIM_V=head_dim_v,
+        HEAD_DIM_V_PAD=next_power_of_2(head_dim_v),
     )

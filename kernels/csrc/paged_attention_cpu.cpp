@@ -17,10 +17,19 @@
 // a token's own: each vector's keys are [first_key, last_key], and blocks wholly before every
 // vector's first key are not read at all.
 //
+// Two more per-layer settings, as Hugging Face computes them. A logit softcap c > 0 (Gemma 2)
+// bends each block's scores to c * tanh(s / c) before their maximum is taken. Sinks (gpt-oss,
+// one logit per query head) are a key that every vector sees first, with a zero value: each
+// vector's running state starts at m = sink, l = exp(sink - m) = 1 instead of m = -inf, l = 0,
+// and the usual rescaling by exp(m_old - m_new) carries it through every later block.
+//
 // Contract: the same as `paged_attention_ref` for the listed requests; rows of other requests in
-// `out` are left untouched. The cache is the logical [num_blocks, block_size, num_kv_heads,
-// head_dim] view with any strides but a unit stride on head_dim (heads-major and block-major
-// storage both work). Math in float32 whatever the dtype.
+// `out` are left untouched. The caches are the logical [num_blocks, block_size, num_kv_heads,
+// head_dim] (keys) and [..., value_head_dim] (values, which may be narrower or wider: multi-head
+// latent attention) views with any strides but a unit stride on the last dim (heads-major and
+// block-major storage both work); out is [T, H, value_head_dim]. Math in float32 whatever the
+// dtype. The unrolled and vectorised paths take head_dim 64 and 128 with values as wide; every
+// other pair of widths takes the portable loops.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -31,6 +40,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -87,18 +97,19 @@ constexpr int kMaxTile = 2;
 
 // Running softmax state of the query vectors of one work item.
 struct State {
-  std::vector<float> q, acc, m, l;
+  std::vector<float> q, acc, m, l;  // q: head_dim per vector, acc: value_head_dim
   std::vector<float> scores;  // a block's scores, then weights: kMaxTile rows of score_stride
   int64_t score_stride = 0;  // whole sixteen-lane vectors
   std::vector<int64_t> first_key;  // sliding window: the earliest key it sees (0 without one)
   std::vector<int64_t> last_key;  // causal limit: the token's own position
+  float softcap = 0.f;  // > 0: scores s become softcap * tanh(s / softcap)
 
-  void resize(int64_t num_vec, int64_t dim, int64_t block_size) {
+  void resize(int64_t num_vec, int64_t dim, int64_t value_dim, int64_t block_size) {
     score_stride = (block_size + 15) / 16 * 16;
     scores.resize(kMaxTile * score_stride);
     if (static_cast<int64_t>(m.size()) >= num_vec) return;
     q.resize(num_vec * dim);
-    acc.resize(num_vec * dim);
+    acc.resize(num_vec * value_dim);
     m.resize(num_vec);
     l.resize(num_vec);
     first_key.resize(num_vec);
@@ -126,6 +137,22 @@ inline void accumulate(float* __restrict__ acc, const float* __restrict__ p,
   }
 }
 
+// The logit softcap on a block's scores s[0..n): s = cap * tanh(s / cap). Where eight-lane
+// vectors exist it works on whole ones, up to n rounded up to 8 (the scores' rows are whole
+// sixteen-lane vectors, so those lanes exist; what they held is overwritten or ignored).
+inline void softcap_scores(float* s, int64_t n, float cap) {
+#ifdef ROLLOUT_CPU_VEC
+  const __m256 c = _mm256_set1_ps(cap), inv = _mm256_set1_ps(1.f / cap);
+  for (int64_t j = 0; j < n; j += 8) {
+    _mm256_storeu_ps(s + j, _mm256_mul_ps(c, cpu_vec::tanh8(_mm256_mul_ps(_mm256_loadu_ps(s + j),
+                                                                          inv))));
+  }
+#else
+  const float inv = 1.f / cap;
+  for (int64_t j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] * inv);
+#endif
+}
+
 // Which keys of a block (positions first..first+n-1) vector i sees: keys begin..begin+visible-1
 // of the block; false if none. Keys past the token's own position are in its future (only in
 // its last own block, `masked`); keys before its first key are outside its sliding window.
@@ -137,11 +164,12 @@ inline bool visible_keys(const State& st, int64_t i, int64_t first, int64_t n, b
   return visible > 0;
 }
 
-// Vectors [v0, v1) of `st` attend to keys first..first+n-1 of one block.
+// Vectors [v0, v1) of `st` attend to keys first..first+n-1 of one block. kDim > 0: keys and
+// values both that wide; 0: keys `dim` wide, values `value_dim`.
 template <int kDim, typename scalar_t>
 inline void attend_block(State& st, int64_t v0, int64_t v1, const scalar_t* kblock,
                          const scalar_t* vblock, int64_t kp, int64_t vp, int64_t first, int64_t n,
-                         int64_t dim, bool masked) {
+                         int64_t dim, int64_t value_dim, bool masked) {
   float* __restrict__ s = st.scores.data();  // this vector's scores, then its weights
   for (int64_t i = v0; i < v1; ++i) {
     int64_t begin, visible;
@@ -150,14 +178,16 @@ inline void attend_block(State& st, int64_t v0, int64_t v1, const scalar_t* kblo
     const scalar_t* values = vblock + begin * vp;
     const float* __restrict__ q = &st.q[i * dim];
     for (int64_t j = 0; j < visible; ++j) s[j] = dot<kDim>(q, keys + j * kp, dim);
+    if (st.softcap > 0.f) softcap_scores(s, visible, st.softcap);
     float block_max = s[0];
     for (int64_t j = 1; j < visible; ++j) block_max = std::max(block_max, s[j]);
     const float new_m = std::max(st.m[i], block_max);
-    float* __restrict__ a = &st.acc[i * dim];
+    float* __restrict__ a = &st.acc[i * value_dim];
     if (new_m != st.m[i]) {
-      const float correction = std::exp(st.m[i] - new_m);  // 0 on the first block
+      // 0 on the first block without a sink (acc and l are 0); with one, the sink's weight.
+      const float correction = std::exp(st.m[i] - new_m);
       st.l[i] *= correction;
-      for (int64_t d = 0; d < (kDim > 0 ? kDim : dim); ++d) a[d] *= correction;
+      for (int64_t d = 0; d < (kDim > 0 ? kDim : value_dim); ++d) a[d] *= correction;
       st.m[i] = new_m;
     }
     float mass = 0.f;
@@ -166,7 +196,7 @@ inline void attend_block(State& st, int64_t v0, int64_t v1, const scalar_t* kblo
       mass += s[j];
     }
     st.l[i] += mass;
-    accumulate<kDim>(a, s, values, vp, visible, dim);
+    accumulate<kDim>(a, s, values, vp, visible, value_dim);
   }
 }
 
@@ -215,11 +245,13 @@ inline void attend_block_vec(State& st, int64_t v0, int64_t v1, const scalar_t* 
       for (int c = 0; c < kVecs; ++c) a = _mm256_fmadd_ps(q[c], load8(k + 8 * c), a);
       s[j] = hsum(a);
     }
+    if (st.softcap > 0.f) softcap_scores(s, visible, st.softcap);
     for (j = visible; j % 8 != 0; ++j) s[j] = -FLT_MAX;  // padding lanes: weight 0 below
     __m256 max8 = _mm256_loadu_ps(s);
     for (j = 8; j < visible; j += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(s + j));
     const float new_m = std::max(st.m[i], hmax(max8));
-    // 1 if the maximum stayed, (about) 0 on the first block, where acc and l are 0 anyway.
+    // 1 if the maximum stayed; (about) 0 on the first block without a sink, where acc and l are
+    // 0 anyway; with a sink, exp(sink - new_m) scales its l = 1 as it would any earlier mass.
     const float correction = _mm256_cvtss_f32(exp8(_mm256_set1_ps(st.m[i] - new_m)));
     st.m[i] = new_m;
     max8 = _mm256_set1_ps(new_m);
@@ -307,6 +339,17 @@ inline void attend_tile16(State& st, int64_t v0, const scalar_t* kblock, const s
       s[t * stride + j] = _mm512_reduce_add_ps(a);
     }
   }
+  if (st.softcap > 0.f) {  // rows [lo, hi) of every vector hold scores, whatever it sees
+    const __m512 cap = _mm512_set1_ps(st.softcap), inv = _mm512_set1_ps(1.f / st.softcap);
+    for (int t = 0; t < kTile; ++t) {
+      float* row = s + t * stride;
+      for (j = lo; j < hi; j += 16) {
+        const __mmask16 lanes = lanes_between(0, hi - j);
+        const __m512 x = _mm512_maskz_loadu_ps(lanes, row + j);
+        _mm512_mask_storeu_ps(row + j, lanes, _mm512_mul_ps(cap, tanh16(_mm512_mul_ps(x, inv))));
+      }
+    }
+  }
   float correction[kTile];
   for (int t = 0; t < kTile; ++t) {
     float* row = s + t * stride;
@@ -317,8 +360,9 @@ inline void attend_tile16(State& st, int64_t v0, const scalar_t* kblock, const s
     }
     const int64_t i = v0 + t;
     const float new_m = std::max(st.m[i], _mm512_reduce_max_ps(max16));
-    // 1 if the maximum stayed (or the vector sees none of these keys), (about) 0 on its first
-    // block, where acc and l are 0 anyway.
+    // 1 if the maximum stayed (or the vector sees none of these keys); (about) 0 on its first
+    // block without a sink, where acc and l are 0 anyway; with a sink, exp(sink - new_m) scales
+    // its l = 1 as it would any earlier mass.
     correction[t] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(st.m[i] - new_m)));
     st.m[i] = new_m;
     const __m512 m16 = _mm512_set1_ps(new_m);
@@ -358,7 +402,7 @@ inline void attend_tile16(State& st, int64_t v0, const scalar_t* kblock, const s
 template <int kDim, typename scalar_t>
 inline void attend_keys(State& st, int64_t v0, int64_t v1, const scalar_t* kblock,
                         const scalar_t* vblock, int64_t kp, int64_t vp, int64_t first, int64_t n,
-                        int64_t dim, bool masked) {
+                        int64_t dim, int64_t value_dim, bool masked) {
 #ifdef ROLLOUT_CPU_VEC16
   if constexpr (kDim > 0 && kDim % 64 == 0 && !std::is_same_v<scalar_t, double>) {
     int64_t i = v0;
@@ -375,7 +419,7 @@ inline void attend_keys(State& st, int64_t v0, int64_t v1, const scalar_t* kbloc
     return;
   }
 #endif
-  attend_block<kDim>(st, v0, v1, kblock, vblock, kp, vp, first, n, dim, masked);
+  attend_block<kDim>(st, v0, v1, kblock, vblock, kp, vp, first, n, dim, value_dim, masked);
 }
 
 template <int kDim, typename scalar_t>
@@ -383,8 +427,8 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
             const at::Tensor& block_tables, const at::Tensor& seq_lens,
             const at::Tensor& query_start_loc, const at::Tensor& members,
             const at::Tensor& group_starts, const at::Tensor& group_shared, double scale,
-            int64_t window, at::Tensor& out) {
-  const int64_t num_heads = query.size(1), dim = query.size(2);
+            int64_t window, double softcap, const float* sinks, at::Tensor& out) {
+  const int64_t num_heads = query.size(1), dim = query.size(2), value_dim = value_cache.size(3);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t heads_per_kv = num_heads / num_kv_heads;
   const int64_t num_groups = group_shared.size(0), num_items = num_groups * num_kv_heads;
@@ -409,6 +453,7 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   // Items in KV-head-major order: a thread's consecutive items read the same head's blocks.
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     State st;
+    st.softcap = static_cast<float>(softcap);
     std::vector<int64_t> vec_start;  // first vector of each member, plus the end
     std::vector<Visit> visits;
     for (int64_t item = begin; item < end; ++item) {
@@ -421,7 +466,7 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
         vec_start.push_back(vec_start.back() + (starts[r + 1] - starts[r]) * heads_per_kv);
       }
       const int64_t num_vec = vec_start.back();
-      st.resize(num_vec, dim, block_size);
+      st.resize(num_vec, dim, value_dim, block_size);
       // Vector i of a member: token t = i / heads_per_kv, head h * heads_per_kv + i % heads_per_kv.
       for (int64_t k = 0; k < num_members; ++k) {
         const int64_t r = mine[k], q_start = starts[r], q_len = starts[r + 1] - starts[r];
@@ -432,11 +477,12 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
           for (int64_t d = 0; d < dim; ++d) st.q[i * dim + d] = static_cast<float>(src[d]) * fscale;
           st.last_key[i] = lens[r] - q_len + t;
           st.first_key[i] = window > 0 ? std::max<int64_t>(0, st.last_key[i] - window + 1) : 0;
-          st.m[i] = -FLT_MAX;
-          st.l[i] = 0.f;
+          // A sink is a key seen before all others, of weight exp(sink - m) and value 0.
+          st.m[i] = sinks != nullptr ? sinks[head] : -FLT_MAX;
+          st.l[i] = sinks != nullptr ? 1.f : 0.f;
         }
       }
-      std::fill(st.acc.begin(), st.acc.begin() + num_vec * dim, 0.f);
+      std::fill(st.acc.begin(), st.acc.begin() + num_vec * value_dim, 0.f);
       // The blocks in the order they are read: the shared prefix for every member's vectors at
       // once (no causal mask), then each member's own blocks (causal). Blocks that end before
       // the first key of every vector reading them (a sliding window) are skipped.
@@ -465,11 +511,12 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
         for (size_t a = n == 0 ? 0 : n + kPrefetchAhead; a <= n + kPrefetchAhead; ++a) {
           if (a >= visits.size()) break;
           prefetch_rows(k_ptr + visits[a].block * kb + h * kh, kp, visits[a].rows, dim);
-          prefetch_rows(v_ptr + visits[a].block * vb + h * vh, vp, visits[a].rows, dim);
+          prefetch_rows(v_ptr + visits[a].block * vb + h * vh, vp, visits[a].rows, value_dim);
         }
         const Visit& v = visits[n];
         attend_keys<kDim>(st, v.v0, v.v1, k_ptr + v.block * kb + h * kh,
-                          v_ptr + v.block * vb + h * vh, kp, vp, v.first, v.rows, dim, v.masked);
+                          v_ptr + v.block * vb + h * vh, kp, vp, v.first, v.rows, dim, value_dim,
+                          v.masked);
       }
       for (int64_t k = 0; k < num_members; ++k) {
         const int64_t r = mine[k];
@@ -477,8 +524,10 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
           const int64_t t = (i - vec_start[k]) / heads_per_kv;
           const int64_t head = h * heads_per_kv + (i - vec_start[k]) % heads_per_kv;
           scalar_t* dst = out_ptr + (starts[r] + t) * o_tok + head * o_head;
-          const float inv = 1.f / st.l[i];  // l >= 1: every token sees at least its own key
-          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(st.acc[i * dim + d] * inv);
+          const float inv = 1.f / st.l[i];  // l >= 1: the largest weight seen is exp(0)
+          for (int64_t d = 0; d < value_dim; ++d) {
+            dst[d] = static_cast<scalar_t>(st.acc[i * value_dim + d] * inv);
+          }
         }
       }
     }
@@ -490,12 +539,21 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                   const at::Tensor& members, const at::Tensor& group_starts,
-                  const at::Tensor& group_shared, int64_t window, const at::Tensor& out) {
+                  const at::Tensor& group_shared, int64_t window, double softcap,
+                  const std::optional<at::Tensor>& sinks, const at::Tensor& out) {
   TORCH_CHECK(window >= 0, "sliding_window must be >= 0 (0: none)");
+  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "softcap must be finite and >= 0 (0: none)");
   TORCH_CHECK(query.device().is_cpu(), "paged_attention_short runs on the CPU");
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4,
               "query [T, H, D] and caches [num_blocks, block_size, Hkv, D] expected");
-  TORCH_CHECK(out.sizes() == query.sizes(), "out must have the query's shape");
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == query.size(0) && out.size(1) == query.size(1) &&
+                  out.size(2) == value_cache.size(3),
+              "out must be [T, H, value_head_dim]");
+  if (sinks.has_value() && sinks->defined()) {
+    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat &&
+                    sinks->dim() == 1 && sinks->size(0) == query.size(1) && sinks->is_contiguous(),
+                "sinks must be a contiguous float32 [num_heads] CPU tensor");
+  }
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 &&
                   value_cache.stride(3) == 1,
               "head_dim must be contiguous");
@@ -503,7 +561,8 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
   TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype &&
                   out.scalar_type() == dtype,
               "query, caches and out must share a dtype");
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ in shape");
+  TORCH_CHECK(key_cache.sizes().slice(0, 3) == value_cache.sizes().slice(0, 3),
+              "key and value caches differ in shape (but for head_dim)");
   TORCH_CHECK(query.size(2) == key_cache.size(3), "head_dim differs between query and cache");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of Hkv");
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc}) {
@@ -554,23 +613,28 @@ void paged_attention_short(const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                            const at::Tensor& members, const at::Tensor& group_starts,
                            const at::Tensor& group_shared, double scale, int64_t sliding_window,
-                           at::Tensor out) {
+                           at::Tensor out, double softcap, const std::optional<at::Tensor>& sinks) {
   check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, members,
-               group_starts, group_shared, sliding_window, out);
+               group_starts, group_shared, sliding_window, softcap, sinks, out);
+  const float* sink_ptr =
+      sinks.has_value() && sinks->defined() ? sinks->data_ptr<float>() : nullptr;
+  // The unrolled paths want keys and values of one width; any other pair runs the portable one.
+  const int64_t dim = query.size(2);
+  const int64_t unrolled = dim == value_cache.size(3) ? dim : 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_short", [&] {
-    switch (query.size(2)) {
+    const auto run = [&](auto kdim) {
+      attend<decltype(kdim)::value, scalar_t>(query, key_cache, value_cache, block_tables,
+                                              seq_lens, query_start_loc, members, group_starts,
+                                              group_shared, scale, sliding_window, softcap,
+                                              sink_ptr, out);
+    };
+    switch (unrolled) {
       case 64:
-        return attend<64, scalar_t>(query, key_cache, value_cache, block_tables, seq_lens,
-                                    query_start_loc, members, group_starts, group_shared, scale,
-                                    sliding_window, out);
+        return run(std::integral_constant<int, 64>{});
       case 128:
-        return attend<128, scalar_t>(query, key_cache, value_cache, block_tables, seq_lens,
-                                     query_start_loc, members, group_starts, group_shared, scale,
-                                    sliding_window, out);
+        return run(std::integral_constant<int, 128>{});
       default:
-        return attend<0, scalar_t>(query, key_cache, value_cache, block_tables, seq_lens,
-                                   query_start_loc, members, group_starts, group_shared, scale,
-                                    sliding_window, out);
+        return run(std::integral_constant<int, 0>{});
     }
   });
 }
@@ -582,7 +646,7 @@ TORCH_LIBRARY(rollout_cpu, m) {
       "paged_attention_short(Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor members, "
       "Tensor group_starts, Tensor group_shared, float scale, int sliding_window, "
-      "Tensor(a!) out) -> ()");
+      "Tensor(a!) out, float softcap=0., Tensor? sinks=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) { m.impl("paged_attention_short", &paged_attention_short); }

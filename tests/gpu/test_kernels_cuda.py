@@ -28,8 +28,8 @@ def store_kv_cache_triton(*args) -> None:
     importlib.import_module("kernels.triton_kv_store").store_kv_cache_triton(*args)
 
 
-def paged_attention_triton(*args) -> torch.Tensor:
-    return attention_module().paged_attention_triton(*args)
+def paged_attention_triton(*args, **options) -> torch.Tensor:
+    return attention_module().paged_attention_triton(*args, **options)
 
 
 # Against the reference run in float64 on the same (rounded) inputs.
@@ -56,26 +56,33 @@ def _shapes() -> dict[str, tuple[list[int], list[int], dict]]:
         "mha_hd96": ([1, 40, 1], [300, 90, 17],
                      {"num_heads": 8, "num_kv_heads": 8, "head_dim": 96, "block_size": 32}),
         "hd256": ([1, 33], [500, 100], {"num_heads": 8, "num_kv_heads": 1, "head_dim": 256}),
+        # Multi-head latent attention as Hugging Face runs DeepSeek-V2/V3: 192-wide keys,
+        # 128-wide values.
+        "mla_dk192_dv128": ([1] * 6 + [4, 70], _lens(rng, 6, 10, 900) + [300, 70],
+                            {"num_heads": 16, "num_kv_heads": 16, "head_dim": 192,
+                             "value_head_dim": 128}),
     }
 
 
 SHAPES = _shapes()
 
 
-def cuda_case(name: str, dtype: torch.dtype) -> AttentionCase:
+def cuda_case(name: str, dtype: torch.dtype, **overrides) -> AttentionCase:
     query_lens, seq_lens, options = SHAPES[name]
-    return make_case(query_lens, seq_lens, dtype=dtype, device="cuda", seed=1, **options)
+    return make_case(query_lens, seq_lens, dtype=dtype, device="cuda", seed=1,
+                     **{**options, **overrides})
 
 
 def reference_fp64(case: AttentionCase) -> torch.Tensor:
-    exact = case.cast(torch.float64)  # SDPA's math backend: no TF32, no reduced precision
+    # SDPA's math backend, or the explicit path in float64: no TF32, no reduced precision.
+    exact = case.cast(torch.float64)
     return paged_attention_ref(exact.query, exact.key_cache, exact.value_cache, exact.metadata,
-                               exact.scale, exact.sliding_window)
+                               exact.scale, **exact.options)
 
 
 def assert_close(out: torch.Tensor, case: AttentionCase) -> None:
     dtype = case.query.dtype
-    assert out.shape == case.query.shape and out.dtype == dtype
+    assert out.shape == case.output_shape and out.dtype == dtype
     err = (out.double() - reference_fp64(case)).abs().max().item()
     assert err <= GPU_ATOL[dtype], f"max error {err} > {GPU_ATOL[dtype]} ({dtype})"
 
@@ -110,6 +117,71 @@ def test_attention_forced_configs(name, config):
                                            case.metadata, case.scale,
                                            attention.LaunchConfig(*config))
     assert_close(out, case)
+
+
+# Gemma 2's softcap (50), gpt-oss's sinks, both with a window of a few blocks.
+FEATURES = {
+    "softcap": {"softcap": 50.0},
+    "sinks": {"sinks": True},
+    "softcap_sinks_window": {"softcap": 50.0, "sinks": True, "sliding_window": 100},
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("name", ["decode_batch", "few_long_decode", "mixed", "spec_verify",
+                                  "mla_dk192_dv128"])
+def test_attention_with_softcap_and_sinks(name, feature):
+    # few_long_decode splits the KV (the merge adds the sinks); the others do not.
+    case = cuda_case(name, torch.bfloat16, **FEATURES[feature])
+    out = paged_attention_triton(case.query, case.key_cache, case.value_cache, case.metadata,
+                                 case.scale, **case.options)
+    assert_close(out, case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_feature_in_other_dtypes(dtype):
+    case = cuda_case("mla_dk192_dv128", dtype, **FEATURES["softcap_sinks_window"])
+    out = paged_attention_triton(case.query, case.key_cache, case.value_cache, case.metadata,
+                                 case.scale, **case.options)
+    assert_close(out, case)
+
+
+@pytest.mark.parametrize("config", [(16, 32, 1), (16, 64, 4), (16, 16, 16)],
+                         ids=lambda c: "block_m{}-tile_n{}-splits{}".format(*c))
+@pytest.mark.parametrize("name", ["few_long_decode", "mla_dk192_dv128"])
+def test_softcap_and_sinks_with_forced_configs(name, config):
+    case = cuda_case(name, torch.bfloat16, softcap=30.0, sinks=True)
+    attention = attention_module()
+    out = attention.paged_attention_launch(case.query, case.key_cache, case.value_cache,
+                                           case.metadata, case.scale,
+                                           attention.LaunchConfig(*config), **case.options)
+    assert_close(out, case)
+
+
+def test_softcap_and_sinks_change_the_answer():
+    # An implementation that ignored them would give the plain answer: far from the right one.
+    case = cuda_case("decode_batch", torch.float32, softcap=5.0, sinks=True)
+    plain = paged_attention_triton(case.query, case.key_cache, case.value_cache, case.metadata,
+                                   case.scale)
+    assert (plain.double() - reference_fp64(case)).abs().max() > 1e-2
+
+
+def test_dispatch_passes_the_options_to_triton():
+    case = cuda_case("mla_dk192_dv128", torch.float16, softcap=50.0, sinks=True)
+    args = (case.query, case.key_cache, case.value_cache, case.metadata, case.scale)
+    assert torch.equal(paged_attention(*args, **case.options),
+                       paged_attention_triton(*args, **case.options))
+
+
+def test_store_writes_values_of_their_own_width():
+    case = cuda_case("mla_dk192_dv128", torch.bfloat16)
+    num_tokens, num_kv_heads = case.query.shape[0], case.key_cache.shape[2]
+    key = torch.randn(num_tokens, num_kv_heads, 192, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn(num_tokens, num_kv_heads, 128, device="cuda", dtype=torch.bfloat16)
+    expected_k, expected_v = case.key_cache.clone(), case.value_cache.clone()
+    store_kv_cache_ref(key, value, expected_k, expected_v, case.metadata.slot_mapping)
+    store_kv_cache_triton(key, value, case.key_cache, case.value_cache, case.metadata.slot_mapping)
+    assert torch.equal(case.key_cache, expected_k) and torch.equal(case.value_cache, expected_v)
 
 
 def test_small_decode_batches_split_the_kv_and_prefill_does_not():

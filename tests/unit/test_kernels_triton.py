@@ -22,10 +22,12 @@ from rollout_engine import LLM, SamplingParams
 from tests.unit.kernel_cases import (
     ATOL,
     CASES,
+    FEATURES,
     SLIDING_WINDOWS,
     make_case,
     make_named_case,
     naive_attention,
+    naive_store,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -91,14 +93,13 @@ def attend(kernels_ns, case, config=None):
     attention = kernels_ns.attention
     if config is None:
         return attention.paged_attention_triton(case.query, case.key_cache, case.value_cache,
-                                                case.metadata, case.scale, case.sliding_window)
+                                                case.metadata, case.scale, **case.options)
     return attention.paged_attention_launch(case.query, case.key_cache, case.value_cache,
-                                            case.metadata, case.scale, config,
-                                            case.sliding_window)
+                                            case.metadata, case.scale, config, **case.options)
 
 
 def assert_close(out, case, dtype):
-    assert out.shape == case.query.shape and out.dtype == dtype
+    assert out.shape == case.output_shape and out.dtype == dtype
     err = (out.double() - naive_attention(case)).abs().max().item()
     assert err <= ATOL[dtype], f"max error {err} > {ATOL[dtype]} for {dtype}"
 
@@ -178,6 +179,40 @@ def test_store_matches_reference(triton_kernels, dtype):
     assert torch.equal(case.key_cache, expected_k) and torch.equal(case.value_cache, expected_v)
 
 
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("name", ["mha_odd", "group3"])
+def test_attention_with_softcap_sinks_and_value_widths(triton_kernels, name, feature):
+    # The default config: one program per tile sees the whole KV (sinks start its softmax).
+    case = make_named_case(name, **FEATURES[feature])
+    assert_close(attend(triton_kernels, case), case, torch.float32)
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_softcap_sinks_and_value_widths_with_kv_splits(triton_kernels, feature):
+    # Four splits of five KV tiles: no split counts the sinks, the merge adds them once.
+    case = make_named_case("long_decode", **FEATURES[feature])
+    config = triton_kernels.attention.LaunchConfig(16, 16, num_splits=4)
+    assert_close(attend(triton_kernels, case, config), case, torch.float32)
+
+
+def test_every_feature_in_bf16_with_kv_splits(triton_kernels):
+    case = make_named_case("long_decode", dtype=torch.bfloat16, softcap=2.0, sinks=True,
+                           value_head_dim=24)
+    config = triton_kernels.attention.LaunchConfig(16, 16, num_splits=2)
+    assert_close(attend(triton_kernels, case, config), case, torch.bfloat16)
+
+
+def test_store_writes_values_of_their_own_width(triton_kernels):
+    case = make_case([1, 7, 3], [10, 7, 13], value_head_dim=40, seed=6)
+    key = torch.randn(11, 2, 16)
+    value = torch.randn(11, 2, 40)
+    expected_k, expected_v = case.key_cache.clone(), case.value_cache.clone()
+    naive_store(key, value, expected_k, expected_v, case.metadata.slot_mapping)
+    triton_kernels.store.store_kv_cache_triton(key, value, case.key_cache, case.value_cache,
+                                               case.metadata.slot_mapping)
+    assert torch.equal(case.key_cache, expected_k) and torch.equal(case.value_cache, expected_v)
+
+
 def test_store_skips_negative_slots(triton_kernels):
     case = make_case([2], [2], seed=7)
     before = case.key_cache.clone()
@@ -226,6 +261,7 @@ def compile_for_hopper() -> list[str]:
     from triton.compiler import ASTSource
 
     from kernels import triton_kv_store, triton_paged_attention
+    from kernels.triton_utils import next_power_of_2
 
     target = GPUTarget("cuda", 90, 32)
     compiled = []
@@ -236,27 +272,38 @@ def compile_for_hopper() -> list[str]:
         triton.compile(ASTSource(kernel, signature, constexprs), target=target, options=options)
         compiled.append(kernel.__name__)
 
-    for dtype, block_m, num_splits in (("bf16", 16, 1), ("fp16", 64, 1), ("bf16", 16, 4)):
+    # (dtype, BLOCK_M, splits, head dim of keys, of values, softcap and sinks): the last two
+    # are multi-head latent attention's widths with every feature.
+    for dtype, block_m, num_splits, head_dim, head_dim_v, features in (
+        ("bf16", 16, 1, 128, 128, False), ("fp16", 64, 1, 128, 128, False),
+        ("bf16", 16, 4, 128, 128, False), ("bf16", 16, 1, 192, 128, True),
+        ("bf16", 16, 4, 192, 128, True),
+    ):
         pointers = {name: "*" + dtype for name in ("out_ptr", "query_ptr", "key_cache_ptr",
                                                    "value_cache_ptr")}
         pointers |= {name: "*i32" for name in ("block_tables_ptr", "seq_lens_ptr",
                                                "query_start_loc_ptr")}
         pointers |= {name: "*fp32" for name in ("partial_out_ptr", "partial_max_ptr",
-                                                "partial_sum_ptr")}
-        pointers["scale_log2"] = "fp32"
+                                                "partial_sum_ptr", "sinks_ptr")}
+        pointers |= {name: "fp32" for name in ("scale_log2", "softcap_scale", "softcap_log2")}
         build(triton_paged_attention._paged_attention_kernel, pointers, {
-            "GROUP": 4, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16,
-            "BLOCK_M": block_m, "BLOCK_Q": block_m // 4, "TILE_N": 64, "NUM_SPLITS": num_splits,
-            "UPCAST": False, "DOT_PRECISION": "tf32"}, num_warps=4, num_stages=2)
+            "GROUP": 4, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": next_power_of_2(head_dim),
+            "HEAD_DIM_V": head_dim_v, "HEAD_DIM_V_PAD": head_dim_v, "BLOCK_SIZE": 16,
+            "BLOCK_M": block_m, "BLOCK_Q": block_m // 4, "TILE_N": 64 if head_dim <= 128 else 32,
+            "NUM_SPLITS": num_splits, "SLIDING": features, "SOFTCAP": features,
+            "HAS_SINKS": features, "UPCAST": False, "DOT_PRECISION": "tf32"},
+            num_warps=4, num_stages=2)
     merge = triton_paged_attention._merge_splits_kernel
     partials = {n: "*fp32" for n in merge.arg_names if n.startswith("partial")}
-    build(merge, {"out_ptr": "*bf16"} | partials,
-          {"HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "NUM_SPLITS": 4})
+    for has_sinks in (False, True):
+        build(merge, {"out_ptr": "*bf16", "sinks_ptr": "*fp32"} | partials,
+              {"HEAD_DIM_V": 128, "HEAD_DIM_V_PAD": 128, "NUM_SPLITS": 4,
+               "HAS_SINKS": has_sinks})
     store = triton_kv_store._store_kv_kernel
     build(store, {n: "*bf16" for n in store.arg_names if n.endswith("_ptr")}
           | {"slot_mapping_ptr": "*i64"},
-          {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "HEADS_PAD": 8,
-           "HEAD_DIM_PAD": 128})
+          {"NUM_KV_HEADS": 8, "HEAD_DIM": 192, "BLOCK_SIZE": 16, "HEADS_PAD": 8,
+           "HEAD_DIM_PAD": 256, "HEAD_DIM_V": 128, "HEAD_DIM_V_PAD": 128})
     return compiled
 
 
@@ -272,5 +319,5 @@ def test_kernels_compile_for_hopper_without_a_gpu():
         timeout=300, cwd=Path(__file__).resolve().parents[2],
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["_paged_attention_kernel"] * 3 + ["_merge_splits_kernel",
-                                                                       "_store_kv_kernel"]
+    assert result.stdout.split() == (["_paged_attention_kernel"] * 5
+                                     + ["_merge_splits_kernel"] * 2 + ["_store_kv_kernel"])

@@ -16,10 +16,13 @@ from kernels.paged_attention_ref import paged_attention_ref
 from tests.unit.kernel_cases import (
     ATOL,
     CASES,
+    FEATURES,
     SLIDING_WINDOWS,
+    AttentionCase,
     make_case,
     make_named_case,
     naive_attention,
+    naive_store,
 )
 
 BLOCK_SIZE = 4
@@ -198,17 +201,10 @@ def test_kernel_half_precision(dtype):
     assert err <= ATOL[dtype], f"max error {err}"
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_size", [16, 5])
-@pytest.mark.parametrize("peaked", [False, True], ids=["spread", "peaked"])
-def test_kernel_on_sibling_samples(head_dim, block_size, peaked):
-    """GRPO-shaped batches through the kernel's eight-lane path (head_dim 64 and 128 where the
-    CPU has AVX2): groups sharing their prompt's blocks, each sample's own blocks after them with
-    a partial last one, a few multi-token (draft verification) rows. Peaked: scores hundreds
-    apart, so most weights underflow and the softmax is nearly one-hot."""
-    require_kernel()
-    rng = random.Random(head_dim + block_size)
-    free = list(range(300))
+def sibling_samples(rng: random.Random, block_size: int, num_blocks: int = 300):
+    """Three prompts' four samples each: the prompt's blocks shared, then each sample's own with
+    a partial last one; a few multi-token (draft verification) rows."""
+    free = list(range(num_blocks))
     rng.shuffle(free)
     query_lens, seq_lens, tables = [], [], []
     for prompt_len in (37, 50, 33):
@@ -219,7 +215,20 @@ def test_kernel_on_sibling_samples(head_dim, block_size, peaked):
             tables.append(prefix + own)
             seq_lens.append(seq_len)
             query_lens.append(rng.choice([1, 1, 1, 3]))
-    metadata = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
+    return AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("peaked", [False, True], ids=["spread", "peaked"])
+def test_kernel_on_sibling_samples(head_dim, block_size, peaked):
+    """GRPO-shaped batches through the kernel's eight-lane path (head_dim 64 and 128 where the
+    CPU has AVX2): groups sharing their prompt's blocks, each sample's own blocks after them with
+    a partial last one, a few multi-token (draft verification) rows. Peaked: scores hundreds
+    apart, so most weights underflow and the softmax is nearly one-hot."""
+    require_kernel()
+    metadata = sibling_samples(random.Random(head_dim + block_size), block_size)
+    query_lens = metadata.query_lens_cpu
     torch.manual_seed(head_dim)
     key_cache, value_cache = torch.randn(2, 300, block_size, 2, head_dim).unbind(0)
     query = torch.randn(sum(query_lens), 4, head_dim) * (30.0 if peaked else 1.0)
@@ -243,6 +252,171 @@ def test_kernel_with_blocks_wider_than_a_vector(block_size, window):
                               case.scale, use_kernel=True, sliding_window=window)
     err = (out.double() - naive_attention(case)).abs().max().item()
     assert err <= ATOL[torch.float32], f"max error {err}"
+
+
+# ---- softcap, sinks, values of their own width ---------------------------------------------
+
+
+def attend_cpu(case: AttentionCase, use_kernel: bool) -> torch.Tensor:
+    out = paged_attention_cpu(case.query, case.key_cache, case.value_cache, case.metadata,
+                              case.scale, use_kernel, **case.options)
+    assert (case.metadata.cache["cpu_plan", case.sliding_window]["kernel"] is not None) == (
+        use_kernel)
+    assert out.shape == case.output_shape and out.dtype == case.query.dtype
+    return out
+
+
+def assert_matches_naive(out: torch.Tensor, case: AttentionCase, atol: float | None = None):
+    err = (out.double() - naive_attention(case)).abs().max().item()
+    atol = ATOL[case.query.dtype] if atol is None else atol
+    assert err <= atol, f"max error {err} > {atol}"
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("name", list(CASES))
+def test_cpu_path_with_softcap_sinks_and_value_widths(name, feature, use_kernel):
+    """Both paths for the short queries (prefill chunks through torch's explicit path), the
+    cases' own head dims: the kernel's portable loops."""
+    case = make_named_case(name, **FEATURES[feature])
+    assert_matches_naive(attend_cpu(case, use_kernel), case)
+
+
+# Combinations on sibling samples: softcap, sinks, both with a window, and values narrower and
+# wider than keys (24/16, 16/40) with everything.
+SIBLING_OPTIONS = {
+    "softcap": {"softcap": 1.5},
+    "sinks": {"sinks": True},
+    "softcap_sinks_window": {"softcap": 2.0, "sinks": True, "sliding_window": 9},
+    "dk24_dv16": {"head_dim": 24, "value_head_dim": 16, "softcap": 2.0, "sinks": True},
+    "dk16_dv40_window": {"value_head_dim": 40, "sinks": True, "softcap": 1.0,
+                         "sliding_window": 30},
+}
+
+
+def sibling_case(seed: int, options: dict, head_dim: int = 16, block_size: int = BLOCK_SIZE,
+                 num_heads: int = 4, num_kv_heads: int = 2) -> AttentionCase:
+    """`make_case`'s options on `make_batch`'s groups of requests sharing leading blocks."""
+    options = dict(options)
+    rng = random.Random(seed)
+    metadata = (make_batch(rng, num_groups=5, shared=True) if block_size == BLOCK_SIZE
+                else sibling_samples(rng, block_size))
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = options.pop("head_dim", head_dim)
+    value_dim = options.pop("value_head_dim", None) or head_dim
+    key_cache = torch.randn(400, block_size, num_kv_heads, head_dim, generator=gen)
+    value_cache = torch.randn(400, block_size, num_kv_heads, value_dim, generator=gen)
+    query = torch.randn(sum(metadata.query_lens_cpu), num_heads, head_dim, generator=gen)
+    sinks = torch.randn(num_heads, generator=gen) * 2 if options.pop("sinks", False) else None
+    return AttentionCase(query, key_cache, value_cache, metadata, head_dim**-0.5,
+                         sinks=sinks, **options)
+
+
+@pytest.mark.parametrize("options", list(SIBLING_OPTIONS))
+@pytest.mark.parametrize("seed", range(2))
+def test_cpu_path_with_features_on_shared_prefixes(seed, options, use_kernel):
+    """Cascade: groups attend to their shared blocks together (the torch path merges the two
+    parts with their log-sum-exps, then adds the sinks once; the kernel carries one state)."""
+    case = sibling_case(seed, SIBLING_OPTIONS[options])
+    assert_matches_naive(attend_cpu(case, use_kernel), case)
+    plan = case.metadata.cache["cpu_plan", case.sliding_window]
+    if use_kernel:
+        assert (plan["kernel"][2] > 0).any(), "the kernel should share prefixes"
+    elif not case.sliding_window:
+        assert plan["shared"] is not None, "the torch path should share prefixes"
+
+
+@pytest.mark.parametrize("options", ["softcap", "sinks", "softcap_sinks_window"])
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_vectorised_paths_with_softcap_and_sinks(head_dim, block_size, options):
+    """head_dim 64 and 128 (the eight- and sixteen-lane paths where the CPU has them) on GRPO-
+    shaped batches: shared prompt blocks, partial blocks, verify rows."""
+    require_kernel()
+    case = sibling_case(head_dim + block_size, SIBLING_OPTIONS[options], head_dim=head_dim,
+                        block_size=block_size)
+    assert_matches_naive(attend_cpu(case, True), case, atol=2e-5)
+
+
+@pytest.mark.parametrize("sink", [-30.0, 0.0, 12.0, 200.0])
+@pytest.mark.parametrize("head_dim", [64, 16])
+def test_kernel_with_sinks_far_from_the_scores(head_dim, sink):
+    """Sinks that hardly count, that take most of the weight (the output nearly 0) and that
+    dwarf every score (the running maximum starts at the sink and never moves), on peaked
+    scores (the first blocks' weights underflow)."""
+    require_kernel()
+    case = sibling_case(7, {}, head_dim=head_dim, block_size=16)
+    case.query = case.query * 8.0
+    case.sinks = torch.full((case.query.shape[1],), sink)
+    assert_matches_naive(attend_cpu(case, True), case, atol=2e-5)
+
+
+@pytest.mark.parametrize("dims", [(24, 16), (16, 40), (64, 128), (128, 64), (192, 128)],
+                         ids=lambda d: f"dk{d[0]}-dv{d[1]}")
+def test_cpu_path_with_values_of_their_own_width(dims, use_kernel):
+    """Key and value widths that differ (multi-head latent attention is 192/128) take the
+    kernel's portable loops, whatever the widths."""
+    head_dim, value_dim = dims
+    case = make_case([1, 3, 1, 20], [40, 19, 7, 29], num_heads=4, num_kv_heads=2,
+                     head_dim=head_dim, value_head_dim=value_dim, block_size=8, sinks=True,
+                     softcap=3.0, seed=head_dim + value_dim)
+    assert_matches_naive(attend_cpu(case, use_kernel), case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [None, 64])
+def test_cpu_path_half_precision_with_every_feature(dtype, head_dim, use_kernel):
+    options = dict(FEATURES["all"])
+    if head_dim:  # values as wide: the vectorised paths
+        options.pop("value_head_dim")
+        options["head_dim"] = head_dim
+    case = make_named_case("long_decode", **options).cast(dtype)
+    assert_matches_naive(attend_cpu(case, use_kernel), case)
+
+
+def test_store_with_values_of_their_own_width_in_heads_major_storage(monkeypatch, use_kernel):
+    """The engine's CPU caches: key and value each a permuted view of a contiguous
+    [Hkv, num_blocks, bs, D] tensor of its own width. The fast store (no fallback) writes
+    exactly the reference's slots, and attention reads them in place."""
+    import kernels.paged_attention_cpu as cpu
+    from kernels.dispatch import store_kv_cache
+
+    def no_fallback(*_args):
+        raise AssertionError("the heads-major store should not fall back")
+
+    monkeypatch.setattr(cpu, "store_kv_cache_ref", no_fallback)
+    metadata = make_batch(random.Random(4), num_groups=4, shared=True)
+    num_kv_heads, head_dim, value_dim = 2, 24, 16
+    key_cache = torch.zeros(num_kv_heads, 400, BLOCK_SIZE, head_dim).permute(1, 2, 0, 3)
+    value_cache = torch.zeros(num_kv_heads, 400, BLOCK_SIZE, value_dim).permute(1, 2, 0, 3)
+    plain_k, plain_v = key_cache.contiguous(), value_cache.contiguous()
+    num_tokens = sum(metadata.query_lens_cpu)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim)
+    value = torch.randn(num_tokens, num_kv_heads, value_dim)
+    store_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+    naive_store(key, value, plain_k, plain_v, metadata.slot_mapping)
+    assert torch.equal(key_cache, plain_k) and torch.equal(value_cache, plain_v)
+    case = AttentionCase(torch.randn(num_tokens, 4, head_dim), key_cache, value_cache, metadata,
+                         0.3, softcap=2.0, sinks=torch.randn(4))
+    assert_matches_naive(attend_cpu(case, use_kernel), case)
+
+
+def test_kernel_keeps_its_old_call_and_refuses_bad_new_arguments():
+    require_kernel()
+    case = make_case([1, 1], [13, 13], head_dim=16, value_head_dim=8, seed=3)
+    args = _kernel_args(case, [0, 1], [0, 2], [0])
+    out = torch.zeros(case.output_shape)
+    # The op's old positional form: no softcap, no sinks.
+    torch.ops.rollout_cpu.paged_attention_short(*args, 0, out)
+    torch.testing.assert_close(out, naive_attention(case).float(), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match=r"out must be \[T, H, value_head_dim\]"):
+        cpu_extension.paged_attention_short(*args, torch.zeros_like(case.query))
+    with pytest.raises(RuntimeError, match="sinks must be"):
+        cpu_extension.paged_attention_short(*args, out, sinks=torch.zeros(3))
+    with pytest.raises(RuntimeError, match="softcap must be"):
+        cpu_extension.paged_attention_short(*args, out, softcap=-1.0)
+    bad_values = torch.zeros(case.value_cache.shape[0] + 1, *case.value_cache.shape[1:])
+    with pytest.raises(RuntimeError, match="caches differ in shape"):
+        cpu_extension.paged_attention_short(*[*args[:2], bad_values, *args[3:]], out)
 
 
 def _kernel_args(case, members, group_starts, group_shared):
