@@ -31,6 +31,18 @@ class KVCacheLayout:
         """[L, 2, num_blocks, bs, Hkv, D], a view of `storage` whatever its order."""
         return storage.permute(0, 1, 3, 4, 2, 5) if self.heads_major else storage
 
+    def cache_storage_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        """One layer's key (or value) cache in memory order."""
+        if self.heads_major:
+            return (num_kv_heads, num_blocks, block_size, head_dim)
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def cache_logical_view(self, storage: torch.Tensor) -> torch.Tensor:
+        """[num_blocks, bs, Hkv, D], a view of one layer's `storage` whatever its order."""
+        return storage.permute(1, 2, 0, 3) if self.heads_major else storage
+
 
 def kv_cache_layout(device: torch.device) -> KVCacheLayout:
     """The layout the kernels for `device` read fastest: heads-major on CPU, block-major on CUDA."""

@@ -44,8 +44,7 @@ class EngineKVConnector:
         if kv_config.kv_role is None:
             return None
         transfer = KVTransfer(
-            worker.model_runner.kv_caches, worker.kv_spec,
-            kv_layout_key(hf_config, worker.kv_spec), kv_config,
+            worker.model_runner.kv_caches, kv_layout_key(hf_config, worker.kv_spec), kv_config,
             {"grpc": GrpcFetcher(), "cuda_ipc": fetch_cuda_ipc},
             worker.weights.fingerprint,
         )

@@ -22,11 +22,15 @@ the CPU tests check (greedy parity with the plain path).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels import AttentionMetadata
 from rollout_engine.worker.models.decoder import DecoderForCausalLM
+
+if TYPE_CHECKING:
+    from rollout_engine.worker.kv_cache_spec import PagedKVCache
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -53,7 +57,7 @@ class DecodeGraphs:
     def __init__(
         self,
         model: DecoderForCausalLM,
-        kv_caches: torch.Tensor,
+        kv_caches: PagedKVCache,
         block_size: int,
         max_batch_size: int,
         max_blocks_per_seq: int,
@@ -67,7 +71,7 @@ class DecodeGraphs:
         self.buckets = buckets_up_to(max_batch_size)
         self.max_model_len = max_model_len
         self.scratch_block = scratch_block
-        self.capture = kv_caches.is_cuda if capture is None else capture
+        self.capture = kv_caches.device.type == "cuda" if capture is None else capture
         device, size = kv_caches.device, self.buckets[-1]
         self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(size, dtype=torch.int64, device=device)

@@ -58,8 +58,8 @@ class FaultInjector:
         return cls(**json.loads(spec)) if spec else None
 
     def install(self, model: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:
-        """Hook the middle decoder layer of `model` (a DecoderForCausalLM)."""
-        layers = model.model.layers
+        """Hook the middle decoder layer of `model` (native or transformers backend)."""
+        layers = model.decoder_layers
         return layers[len(layers) // 2].register_forward_pre_hook(self._fire)
 
     def arm(self, requests: list[StepRequest]) -> None:

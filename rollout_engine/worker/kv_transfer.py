@@ -1,7 +1,9 @@
 """Prefill–decode disaggregation, the worker's half of the KV connector.
 
-The prefill side copies a finished prompt's KV out of its blocks into one contiguous tensor,
-[num_layers, 2, num_tokens, num_kv_heads, head_dim], and publishes it: a /dev/shm file
+The prefill side copies a finished prompt's KV out of its blocks into one contiguous flat
+tensor (per layer holding KV, its keys [num_tokens, num_kv_heads, key_head_dim] then its
+values: for layers that agree, the memory of [num_layers, 2, num_tokens, num_kv_heads,
+head_dim]), and publishes it: a /dev/shm file
 ("shm"), a tensor this server streams on request ("grpc", `PullKV`), or a CUDA tensor shared
 by IPC handle ("cuda_ipc"). The completion carries a handle naming it. The prompt's blocks
 are freed at once: the copy, not the blocks, waits for the decode engine (until the
@@ -38,7 +40,7 @@ from memory.shm import SHM_DIR, unlink_all
 from rollout_engine.config import KVTransferConfig
 from rollout_engine.core.scheduler_output import KVLoad
 from rollout_engine.protocol import KVTransferError, KVTransferParams
-from rollout_engine.worker.kv_cache_spec import KVCacheSpec
+from rollout_engine.worker.kv_cache_spec import KVCacheSpec, PagedKVCache
 from rollout_engine.worker.kv_transports import (
     KVTransferFailed,
     cuda_ipc_location,
@@ -66,9 +68,7 @@ def kv_layout_key(hf_config, spec: KVCacheSpec) -> str:
             "model_type": hf_config.model_type,
             "hidden_size": hf_config.hidden_size,
             "vocab_size": hf_config.vocab_size,
-            "num_layers": spec.num_layers,
-            "num_kv_heads": spec.num_kv_heads,
-            "head_dim": spec.head_dim,
+            "layers": spec.describe(),
             "dtype": str(spec.dtype).removeprefix("torch."),
             "block_size": spec.block_size,
         },
@@ -183,15 +183,14 @@ class KVTransfer:
 
     def __init__(
         self,
-        kv_caches: torch.Tensor,
-        spec: KVCacheSpec,
+        kv_caches: PagedKVCache,
         layout_key: str,
         config: KVTransferConfig,
         fetchers: dict[str, Fetch],
         weights_fingerprint: Callable[[], str],
     ) -> None:
-        self.kv_caches = kv_caches  # logical view [L, 2, num_blocks, block_size, Hkv, D]
-        self.spec = spec
+        self.kv_caches = kv_caches
+        self.spec = kv_caches.spec
         self.layout_key = layout_key
         self.config = config
         self.weights_fingerprint = weights_fingerprint
@@ -212,8 +211,7 @@ class KVTransfer:
 
     @property
     def bytes_per_token(self) -> int:
-        spec = self.spec
-        return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+        return self.spec.bytes_per_token
 
     # ------------------------------------------------------------------ checks
     def check_request(
@@ -304,11 +302,9 @@ class KVTransfer:
         )
 
     def gather(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
-        """[L, 2, num_tokens, Hkv, D], a new contiguous tensor, on the KV cache's device."""
-        bs = self.spec.block_size
-        ids = torch.tensor(block_ids[: -(-num_tokens // bs)], device=self.device)
-        kv = self.kv_caches.index_select(2, ids)  # [L, 2, nb, bs, Hkv, D]
-        return kv.flatten(2, 3)[:, :, :num_tokens].contiguous()
+        """The KV of the first `num_tokens` positions as a new flat tensor on the KV cache's
+        device (`PagedKVCache.read_tokens`)."""
+        return self.kv_caches.read_tokens(block_ids, num_tokens)
 
     # ------------------------------------------------------------------ decode side
     def start(self, loads: Sequence[KVLoad]) -> None:
@@ -350,25 +346,16 @@ class KVTransfer:
     def write(self, load: KVLoad, kv: torch.Tensor) -> None:
         """Write positions [start, start + num_tokens) of a fetched tensor into the load's
         blocks. Call on the engine thread, for a request that still waits for it."""
-        spec, bs = self.spec, self.spec.block_size
-        expected = (spec.num_layers, 2, load.params.num_tokens, spec.num_kv_heads, spec.head_dim)
-        if tuple(kv.shape) != expected or kv.dtype != spec.dtype:
+        num_tokens = load.params.num_tokens
+        expected = self.kv_caches.token_payload_numel(num_tokens)
+        if kv.dim() != 1 or kv.numel() != expected or kv.dtype != self.spec.dtype:
             raise KVTransferFailed(
-                f"received KV of shape {tuple(kv.shape)} {kv.dtype}; expected {expected} "
-                f"{spec.dtype}"
+                f"received KV of shape {tuple(kv.shape)} {kv.dtype}; expected [{expected}] "
+                f"{self.spec.dtype}"
             )
         start, n = load.start_position, load.num_tokens
-        data = kv[:, :, start : start + n].to(self.device, non_blocking=False)
-        block_ids = load.block_ids[start // bs : -(-(start + n) // bs)]
-        num_full = n // bs
-        if num_full:
-            ids = torch.tensor(block_ids[:num_full], device=self.device)
-            shape = (spec.num_layers, 2, num_full, bs, spec.num_kv_heads, spec.head_dim)
-            self.kv_caches[:, :, ids] = data[:, :, : num_full * bs].reshape(shape)
-        tail = n - num_full * bs
-        if tail:
-            self.kv_caches[:, :, block_ids[num_full], :tail] = data[:, :, num_full * bs :]
-        self.num_loaded_bytes += data.numel() * data.element_size()
+        self.kv_caches.write_tokens(load.block_ids, kv, num_tokens, start, n)
+        self.num_loaded_bytes += n * self.spec.bytes_per_token
 
     def close(self) -> None:
         for future, _ in self._loads.values():
@@ -385,16 +372,13 @@ class KVTransfer:
         if params.transport == "grpc" and self.config.kv_peer:  # where this engine pulls from
             params = dataclasses.replace(params, location=self.config.kv_peer)
         kv = self._fetchers[params.transport](params, deadline)
-        spec = self.spec
-        shape = (spec.num_layers, 2, params.num_tokens, spec.num_kv_heads, spec.head_dim)
-        if kv.dim() == 1:  # raw bytes
-            expected = torch.Size(shape).numel() * spec.dtype.itemsize
-            if kv.numel() * kv.element_size() != expected:
-                raise KVTransferFailed(
-                    f"received {kv.numel() * kv.element_size()} bytes of KV, expected {expected}"
-                )
-            kv = kv.view(torch.uint8).view(spec.dtype).view(shape)
-        return kv
+        dtype = self.spec.dtype
+        expected = self.kv_caches.token_payload_numel(params.num_tokens) * dtype.itemsize
+        if kv.numel() * kv.element_size() != expected:
+            raise KVTransferFailed(
+                f"received {kv.numel() * kv.element_size()} bytes of KV, expected {expected}"
+            )
+        return kv.reshape(-1).view(torch.uint8).view(dtype)  # raw bytes -> the flat payload
 
     def _notify(self, _future: concurrent.futures.Future) -> None:
         with self._done:

@@ -13,6 +13,7 @@ from rollout_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOut
 from rollout_engine.protocol import StepFailedError
 from rollout_engine.worker.cuda_graphs import DecodeGraphs
 from rollout_engine.worker.fault_injection import FaultInjector
+from rollout_engine.worker.kv_cache_spec import PagedKVCache
 from rollout_engine.worker.models.decoder import DecoderForCausalLM
 from rollout_engine.worker.models.packed_linear import PackedModuleLinears, PackedWeights
 from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
@@ -43,7 +44,7 @@ class ModelRunner:
     def __init__(
         self,
         model: DecoderForCausalLM,
-        kv_caches: torch.Tensor,
+        kv_caches: PagedKVCache,
         block_size: int,
         seed: int,
         decode_graphs: DecodeGraphs | None = None,
@@ -56,7 +57,7 @@ class ModelRunner:
         self.is_driver = is_driver
         """False on tensor-parallel ranks other than 0: they run the forward and the logits'
         all-gather, and leave sampling to rank 0."""
-        self.kv_caches = kv_caches  # [L, 2, num_blocks, block_size, Hkv, D]
+        self.kv_caches = kv_caches  # per layer (key_cache, value_cache)
         self.block_size = block_size
         self.device = kv_caches.device
         self.vocab_size = model.config.vocab_size

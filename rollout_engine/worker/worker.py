@@ -16,6 +16,7 @@ from rollout_engine.worker.engine_memory import EngineMemory
 from rollout_engine.worker.kv_cache_spec import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     KVCacheSpec,
+    PagedKVCache,
     activation_bytes_estimate,
     plan_kv_cache_bytes,
 )
@@ -89,13 +90,13 @@ class Worker:
         self.num_blocks = kv_spec.num_blocks_for(
             cache_config, self._kv_cache_bytes(config, hf_config, weights_bytes)
         )
-        layout = kv_cache_layout(self.device)
         # CUDA graphs pad batches; padding rows write to one block outside the pool.
-        num_scratch_blocks = 1 if model_config.cuda_graphs else 0
+        num_cache_blocks = self.num_blocks + (1 if model_config.cuda_graphs else 0)
         kv_storage = self.memory.allocate_kv_cache(
-            kv_spec.storage_shape(layout, self.num_blocks + num_scratch_blocks), self.dtype
+            (kv_spec.num_elements(num_cache_blocks),), self.dtype
         )
-        kv_caches = layout.logical_view(kv_storage)
+        kv_caches = PagedKVCache(kv_storage, kv_spec, kv_cache_layout(self.device),
+                                 num_cache_blocks)
         decode_graphs = None
         if model_config.cuda_graphs:
             decode_graphs = DecodeGraphs(
@@ -136,11 +137,9 @@ class Worker:
         self, model: DecoderForCausalLM | TransformersForCausalLM, hf_config, block_size: int
     ) -> KVCacheSpec:
         """The native decoder's from its config (this rank's KV heads); a transformers-backend
-        model's from the per-layer KV shapes its load probe checked."""
+        model's from the per-layer KV its load probe saw."""
         if isinstance(model, TransformersForCausalLM):
-            return KVCacheSpec(
-                model.num_layers, block_size, model.num_kv_heads, model.head_dim, self.dtype
-            )
+            return KVCacheSpec(block_size, self.dtype, tuple(model.layer_kv_specs))
         return KVCacheSpec.from_model(hf_config, block_size, self.dtype, self.tp.size)
 
     def check_ready(self) -> None:

@@ -96,7 +96,8 @@ def test_a_handle_is_pulled_once_and_a_missing_one_is_not_found(grpc_prefill_ser
     channel = grpc.insecure_channel(grpc_prefill_server.address)
     stub = pb_grpc.RolloutEngineStub(channel)
     messages = list(stub.PullKV(pb.PullKVRequest(transfer_id=handle.transfer_id), timeout=30))
-    assert list(messages[0].shape) == [2, 2, len(PROMPTS[0]) - 1, 2, 16]
+    # Flat: per layer its keys, then its values, [num_tokens, Hkv, D] each.
+    assert list(messages[0].shape) == [2 * 2 * (len(PROMPTS[0]) - 1) * 2 * 16]
     assert sum(len(m.data) for m in messages) == 2 * 2 * (len(PROMPTS[0]) - 1) * 2 * 16 * 4
     with pytest.raises(grpc.RpcError) as caught:
         list(stub.PullKV(pb.PullKVRequest(transfer_id=handle.transfer_id), timeout=30))

@@ -230,15 +230,19 @@ def test_save_copies_exactly_the_prompt_kv_the_blocks_hold(tiny_model_dirs):
     prompt = PROMPTS[2]
     (handle,) = prefill(llm, [prompt])
     saved = llm.engine.kv_transfer.store.pop(handle.transfer_id)
-    assert saved.shape[2] == len(prompt) - 1 and saved.is_contiguous()
+    kv = llm.engine.worker.model_runner.kv_caches
+    num_layers, (num_blocks, _, num_kv_heads, head_dim) = len(kv), kv[0][0].shape
+    # Per layer its keys, then its values, each [num_tokens, Hkv, D].
+    saved = saved.view(num_layers, 2, len(prompt) - 1, num_kv_heads, head_dim)
     # The prefix cache still holds the prompt's full blocks: compare with them directly.
     probe = Request("probe", prompt, SamplingParams())
     blocks, num_hit_tokens = llm.engine.scheduler.kv_cache_manager.get_computed_blocks(probe)
     assert num_hit_tokens == (len(prompt) - 1) // 4 * 4 > 0
-    kv = llm.engine.worker.model_runner.kv_caches
     for i, block in enumerate(blocks):
-        torch.testing.assert_close(saved[:, :, i * 4 : (i + 1) * 4], kv[:, :, block.block_id],
-                                   rtol=0, atol=0)
+        for layer, caches in enumerate(kv):
+            for k_or_v, cache in enumerate(caches):
+                torch.testing.assert_close(saved[layer, k_or_v, i * 4 : (i + 1) * 4],
+                                           cache[block.block_id], rtol=0, atol=0)
 
 
 def test_an_idle_prefill_engine_unlinks_expired_handles(tiny_model_dirs, no_leaked_files):

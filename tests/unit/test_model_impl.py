@@ -9,7 +9,7 @@ import transformers
 from rollout_engine.config import EngineConfig, ModelConfig
 from rollout_engine.protocol import ModelLoadError
 from rollout_engine.worker.models.loader import resolve_model_impl
-from rollout_engine.worker.models.transformers_backend import check_config, kv_geometry
+from rollout_engine.worker.models.transformers_backend import check_config, num_kv_shared_layers_of
 from rollout_engine.worker.worker import check_model_impl
 
 SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -47,14 +47,12 @@ def test_native_refuses_an_architecture_it_does_not_have():
         (transformers.LlamaConfig(architectures=["LlamaForSequenceClassification"]),
          "unsupported architecture"),
         (transformers.Qwen3NextConfig(**SMALL), "recurrent or hybrid"),
-        (transformers.Gemma2Config(**SMALL), "attention logit softcapping"),
-        (transformers.DeepseekV3Config(**SMALL), "multi-head latent attention"),
-        (transformers.GptOssConfig(**SMALL), "attention sinks"),
+        (transformers.Llama4TextConfig(**SMALL), "chunked_attention"),
         (transformers.LlamaConfig(
             rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
         ), "follows the batch's longest sequence"),
     ],
-    ids=["encoder-decoder", "not-causal-lm", "hybrid", "softcap", "mla", "sinks", "dynamic-rope"],
+    ids=["encoder-decoder", "not-causal-lm", "hybrid", "chunked", "dynamic-rope"],
 )
 def test_refused_from_the_config(config, reason):
     with pytest.raises(ModelLoadError, match=reason):
@@ -67,9 +65,23 @@ def test_an_unused_sliding_window_is_not_checked():
     check_config(config)
 
 
-def test_kv_geometry_reads_gpt2_names():
-    config = transformers.GPT2Config(n_embd=64, n_head=4)
-    assert kv_geometry(config) == (4, 16)
+@pytest.mark.parametrize(
+    "config",
+    [transformers.Gemma2Config(**SMALL), transformers.DeepseekV3Config(**SMALL),
+     transformers.GptOssConfig(**SMALL)],
+    ids=["softcap", "mla", "sinks"],
+)
+def test_what_the_kernels_now_compute_is_not_refused_from_the_config(config):
+    check_config(config)  # the load probe checks each layer's attention call
+
+
+def test_the_layers_that_share_kv_come_from_the_config():
+    config = transformers.Gemma3nTextConfig(
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2, activation_sparsity_pattern=[0.0] * 4,
+    )
+    assert num_kv_shared_layers_of(config) == 2
+    assert num_kv_shared_layers_of(transformers.LlamaConfig(**SMALL)) == 0
 
 
 def test_the_transformers_backend_runs_eagerly_and_replicated():

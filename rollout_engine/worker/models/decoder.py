@@ -10,6 +10,7 @@ With tensor parallelism each rank builds the same module tree holding only its s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,7 +116,7 @@ class Attention(nn.Module):
         self,
         hidden: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -129,7 +130,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
-        key_cache, value_cache = kv_cache[0], kv_cache[1]  # [num_blocks, bs, Hkv, D] each
+        key_cache, value_cache = kv_cache  # [num_blocks, bs, Hkv, D] each
         store_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, metadata, self.scale,
                               self.sliding_window)  # [T, H, D]
@@ -180,14 +181,19 @@ class DecoderForCausalLM(nn.Module):
     def num_layers(self) -> int:
         return len(self.model.layers)
 
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_caches: [L, 2, num_blocks, bs, Hkv, D] -> [T, hidden]."""
+        """input_ids, positions: [T]; kv_caches: per layer (key_cache, value_cache), each
+        [num_blocks, bs, Hkv, D] -> [T, hidden]."""
         hidden = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):

@@ -24,7 +24,8 @@ from torch import nn
 
 from kernels import AttentionMetadata
 from rollout_engine.protocol import ModelLoadError
-from rollout_engine.worker.models.decoder import head_dim_of, sliding_windows_of
+from rollout_engine.worker.kv_cache_spec import LayerKVSpec
+from rollout_engine.worker.models.decoder import sliding_windows_of
 from rollout_engine.worker.models.loader import (
     iterate_checkpoint_slices,
     load_weights,
@@ -40,6 +41,7 @@ from rollout_engine.worker.models.transformers_attention import (
 )
 
 if TYPE_CHECKING:
+    from rollout_engine.worker.kv_cache_spec import PagedKVCache
     from rollout_engine.worker.models.loader import Allocator
 
 _RECURRENT_MODEL_TYPES = frozenset({
@@ -50,8 +52,6 @@ _RECURRENT_MODEL_TYPES = frozenset({
 """Models with recurrent (state-space, linear-attention) layers, alone or mixed with
 attention: their state is no KV cache."""
 _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
-_SINK_MODEL_TYPES = frozenset({"gpt_oss"})
-"""Attention with learned sinks (an extra softmax column per head): a later slice."""
 _BATCH_DEPENDENT_ROPE_TYPES = frozenset({"dynamic", "longrope"})
 _PROBE_NUM_TOKENS = 4
 
@@ -107,16 +107,6 @@ def check_config(config) -> None:
 
 def _unsupported_attention(config) -> str | None:
     """What in the config's attention our KV cache and kernels do not cover yet, if anything."""
-    if getattr(config, "kv_lora_rank", None) is not None or getattr(
-        config, "qk_rope_head_dim", None
-    ) is not None:
-        return "multi-head latent attention (K and V head dims differ)"
-    if getattr(config, "num_kv_shared_layers", None):
-        return "KV shared across layers (num_kv_shared_layers)"
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return "attention logit softcapping (attn_logit_softcapping)"
-    if config.model_type in _SINK_MODEL_TYPES:
-        return "attention sinks"
     if getattr(config, "use_bidirectional_attention", False):
         return "bidirectional attention (carried by the attention mask)"
     batch_dependent_rope = sorted(_rope_types(config) & _BATCH_DEPENDENT_ROPE_TYPES)
@@ -134,10 +124,12 @@ def _rope_types(config) -> set[str]:
     return {p.get("rope_type", p.get("type", "default")) for p in per_layer_type or [params]}
 
 
-def kv_geometry(config) -> tuple[int, int]:
-    """(num_kv_heads, head_dim) of every attention layer, as the config gives them."""
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return num_kv_heads, head_dim_of(config)
+def num_kv_shared_layers_of(config) -> int:
+    """Layers the config says read an earlier layer's KV (Gemma 3n's last layers)."""
+    modes = getattr(config, "kv_sharing_modes", None)
+    if modes is not None:
+        return sum(mode == "reuse" for mode in modes)
+    return getattr(config, "num_kv_shared_layers", None) or 0
 
 
 # ---------------------------------------------------------------------------- the model
@@ -177,8 +169,9 @@ class TransformersForCausalLM(nn.Module):
         self.__dict__["_causal_lm"] = causal_lm  # bypasses nn.Module's registration
         self.config = causal_lm.config
         self.dtype = dtype
-        self.num_kv_heads, self.head_dim = kv_geometry(config)
         self.sliding_windows = sliding_windows_of(config)
+        self.layer_kv_specs: list[LayerKVSpec] = []
+        """Per layer its KV as the load probe saw it (`check_runs` fills it)."""
         self._base_model_name = _child_name(causal_lm, causal_lm.base_model)
         self._output_embeddings_name = _submodule_name(causal_lm, causal_lm.get_output_embeddings())
         # What the HF CausalLM's forward does to the output embeddings' logits: Cohere
@@ -191,6 +184,14 @@ class TransformersForCausalLM(nn.Module):
     @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        """The HF decoder's list of layers (`layers`, GPT-2's `h`, OPT's `decoder.layers`...)."""
+        for module in self.base_model.modules():
+            if isinstance(module, nn.ModuleList) and len(module) == self.num_layers:
+                return module
+        raise AttributeError(f"{self.config.model_type} has no list of {self.num_layers} layers")
 
     @property
     def base_model(self) -> nn.Module:
@@ -220,13 +221,26 @@ class TransformersForCausalLM(nn.Module):
                 if buffer is not None:
                     module._buffers[name] = _unset_like(buffer, device)
             with torch.no_grad():
-                self._causal_lm._init_weights(module)
+                self._initializer_of(module_name)._init_weights(module)
             for name, buffer in module._buffers.items():
                 if buffer is not None and buffer.is_floating_point() and buffer.isnan().any():
                     raise ModelLoadError(
                         f"transformers does not initialise the buffer {module_name}.{name} of "
                         f"{self.config.model_type} outside from_pretrained; not supported yet"
                     )
+
+    def _initializer_of(self, module_name: str) -> nn.Module:
+        """The model whose `_init_weights` `from_pretrained` applies to a module: the innermost
+        `PreTrainedModel` holding it (Gemma 3n's text model inits its own buffers)."""
+        from transformers import PreTrainedModel
+
+        initializer: nn.Module = self._causal_lm
+        parts = module_name.split(".") if module_name else []
+        for i in range(1, len(parts) + 1):
+            candidate = self.get_submodule(".".join(parts[:i]))
+            if isinstance(candidate, PreTrainedModel):
+                initializer = candidate
+        return initializer
 
     def load_checkpoint(self, model_dir: str) -> None:
         """Load the checkpoint's tensors into the parameters of the same name
@@ -263,11 +277,12 @@ class TransformersForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: torch.Tensor,
+        kv_caches: PagedKVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_caches: [L, 2, num_blocks, bs, Hkv, D] -> [T, hidden]."""
-        step = AttentionStep(self.sliding_windows, kv_caches, metadata)
+        """input_ids, positions: [T]; kv_caches: per layer (key_cache, value_cache) as
+        `layer_kv_specs` says -> [T, hidden]."""
+        step = AttentionStep(self.sliding_windows, kv_caches.spec.layers, kv_caches, metadata)
         with running(step):
             return self._hidden_states(input_ids, positions)
 
@@ -294,9 +309,10 @@ class TransformersForCausalLM(nn.Module):
     @torch.inference_mode()
     def check_runs(self) -> None:
         """The load probe: one tiny forward with the attention function recording its calls.
-        ModelLoadError unless every layer's attention went through it once, with the KV
-        shapes the cache is built for, nothing our kernels do not compute (a mask, sinks,
-        softcapping), and logits equal to the HF CausalLM's own."""
+        ModelLoadError unless every layer's attention went through it once, with nothing our
+        kernels do not compute (a mask, ALiBi...), and logits equal to the HF CausalLM's own.
+        Sets `layer_kv_specs` from what the calls carried: each layer's KV heads and K / V
+        head dims, and the earlier layer whose K/V tensors it was handed (shared KV)."""
         device = self.logits_weight.device
         input_ids = torch.arange(_PROBE_NUM_TOKENS, device=device) % self.config.vocab_size
         positions = torch.arange(_PROBE_NUM_TOKENS, device=device)
@@ -305,13 +321,13 @@ class TransformersForCausalLM(nn.Module):
             try:
                 logits = self.compute_logits(self._hidden_states(input_ids, positions))
             except Exception as exc:  # the model's own code failed: refused, with its error
-                if not step.probe_calls:
-                    self._check_calls([])  # the attention never ran: that is the reason
+                where = "before its first attention call" if not step.probe_calls else ""
                 raise ModelLoadError(
                     f"{self.config.model_type} fails on a packed batch without an attention "
-                    f"mask: {exc}"
+                    f"mask{' ' + where if where else ''}: {type(exc).__name__}: {exc}"
                 ) from exc
-            self._check_calls(step.probe_calls)
+            self.layer_kv_specs = self._check_calls(step.probe_calls)
+            step.probe_calls.clear()
             reference = self._causal_lm(
                 input_ids=input_ids[None], position_ids=positions[None], use_cache=False
             ).logits[0].float()
@@ -325,15 +341,19 @@ class TransformersForCausalLM(nn.Module):
                 "embeddings' (it transforms them in a way the transformers backend does not know)"
             )
 
-    def _check_calls(self, calls: list[AttentionCall]) -> None:
+    def _check_calls(self, calls: list[AttentionCall]) -> list[LayerKVSpec]:
+        """Each layer's KV spec from its probe call; ModelLoadError for what we cannot run."""
         model_type = self.config.model_type
-        layer_ids = sorted(call.layer_idx for call in calls if call.layer_idx is not None)
-        if layer_ids != list(range(self.num_layers)):
+        layer_ids = [call.layer_idx for call in calls]
+        if sorted(i for i in layer_ids if i is not None) != list(range(self.num_layers)) or (
+            None in layer_ids
+        ):
             raise ModelLoadError(
                 f"{_not_through_interface(model_type)} ({len(calls)} calls for "
                 f"{self.num_layers} layers, layer ids {layer_ids[:8]})"
             )
-        expected = (self.num_kv_heads, self.head_dim, self.head_dim)
+        calls = sorted(calls, key=lambda call: call.layer_idx)
+        specs: list[LayerKVSpec] = []
         for call in calls:
             where = f"{model_type} layer {call.layer_idx}"
             if call.unsupported:
@@ -341,18 +361,44 @@ class TransformersForCausalLM(nn.Module):
                     f"{where}: its attention asks for {list(call.unsupported)}, which the "
                     "transformers backend does not compute"
                 )
-            shape = (call.num_kv_heads, call.key_head_dim, call.value_head_dim)
-            if shape != expected:
-                raise ModelLoadError(
-                    f"{where}: (KV heads, K head dim, V head dim) is {shape}, the config says "
-                    f"{expected}; layers with other KV shapes are not supported yet"
-                )
             window = self.sliding_windows[call.layer_idx]
-            if call.sliding_window is not None and call.sliding_window != window:
+            if call.sliding_window != window:
+                # Its mask (which transformers builds for the other implementations) is what
+                # decides; a model whose attention is told another window than its config's
+                # (Moshi: a window in the config, a full causal mask) cannot be read safely.
                 raise ModelLoadError(
-                    f"{where}: its attention gets sliding_window={call.sliding_window}, the "
-                    f"config's layer types say {window}"
+                    f"{where}: its attention gets sliding_window={call.sliding_window} while "
+                    f"the config gives the layer {window}; which one its attention mask uses "
+                    "cannot be told"
                 )
+            source = _kv_source(call, calls[: call.layer_idx], where)
+            specs.append(LayerKVSpec(call.num_kv_heads, call.key_head_dim, call.value_head_dim,
+                                     window, source if source != call.layer_idx else None))
+        num_shared = sum(not spec.owns_kv for spec in specs)
+        if num_shared != num_kv_shared_layers_of(self.config):
+            raise ModelLoadError(
+                f"{model_type}: {num_shared} layers were handed an earlier layer's K/V, the "
+                f"config says {num_kv_shared_layers_of(self.config)} share KV; KV sharing that "
+                "does not pass the same tensors is not supported"
+            )
+        return specs
+
+
+def _kv_source(call: AttentionCall, earlier: list[AttentionCall], where: str) -> int:
+    """The layer whose K/V tensors `call` got: itself, or the earlier layer that computed them
+    (shared KV). The probe keeps every call's tensors alive, so equal addresses are the same
+    tensor, never reused memory."""
+    for other in earlier:
+        same_key = call.key.data_ptr() == other.key.data_ptr()
+        same_value = call.value.data_ptr() == other.value.data_ptr()
+        if same_key and same_value and call.key.shape == other.key.shape:
+            return other.layer_idx
+        if same_key or same_value:
+            raise ModelLoadError(
+                f"{where}: it shares only one of K and V with layer {other.layer_idx}; not "
+                "supported"
+            )
+    return call.layer_idx
 
 
 def _not_through_interface(model_type: str) -> str:
