@@ -108,6 +108,47 @@ def level1(model_dir: str) -> dict[str, Any]:
     }
 
 
+def _measured_sleep(llm: LLM, level: int) -> dict[str, Any]:
+    rss_awake = process_rss_bytes()
+    llm.sleep(level=level)
+    return {"rss_awake": rss_awake, "rss_asleep": process_rss_bytes(),
+            "states_asleep": _tag_states(llm)}
+
+
+def levels_from_trainer(model_dir: str) -> dict[str, Any]:
+    """Level 1, then level 2 with the weights back from a colocated trainer's model: its
+    `named_parameters()`, whose names (a MoE's fused experts) are not the checkpoint's.
+
+    Both levels in one process, as a model's load costs far more than its measurement: on
+    the CPU, level 1's wake-up closes its backup, so level 2 starts from the same footprint.
+    The trainer's model is loaded first, so that the measured deltas are the engine's own.
+    """
+    from transformers import AutoModelForCausalLM  # only here: the other scenarios never load it
+
+    trainer_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    llm = LLM(model_dir, kv_cache_bytes=KV_CACHE_BYTES)
+    before, addresses = greedy_tokens(llm), _addresses(llm)
+    gc.collect()
+    level1 = _measured_sleep(llm, level=1)
+    llm.wake_up()
+    level1 |= {"rss_woken": process_rss_bytes(), "same_outputs": greedy_tokens(llm) == before,
+               "same_addresses": _addresses(llm) == addresses}
+    level2 = _measured_sleep(llm, level=2)
+    llm.wake_up(["weights"])
+    level2["weight_version"] = llm.update_weights(trainer_model.named_parameters())
+    llm.wake_up(["kv_cache"])
+    level2 |= {"rss_woken": process_rss_bytes(), "states_woken": _tag_states(llm),
+               "same_outputs": greedy_tokens(llm) == before,
+               "same_addresses": _addresses(llm) == addresses}
+    return {
+        "pool_bytes": llm.memory_state().pool_bytes,
+        "model_impl": llm.engine.worker.model_impl,
+        "trainer_parameter_names": [name for name, _ in trainer_model.named_parameters()],
+        "level1": level1,
+        "level2": level2,
+    }
+
+
 def _cycle(llm: LLM, weights: dict[str, torch.Tensor], step: int) -> None:
     """Level 1 on even steps; level 2 + a full update on odd ones (the RL choreography)."""
     if step % 2 == 0:
@@ -152,6 +193,7 @@ SCENARIOS: dict[str, Callable[[str], dict[str, Any]]] = {
     "level2": level2,
     "release_kv": release_kv,
     "level1": level1,
+    "levels_from_trainer": levels_from_trainer,
     "cycles": cycles,
 }
 
