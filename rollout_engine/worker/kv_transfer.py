@@ -205,6 +205,9 @@ class KVTransfer:
         self._done = threading.Condition()
         self.fetch_delay_s = float(os.environ.get("ROLLOUT_ENGINE_KV_FETCH_DELAY_S", "0"))
         """Test-only: each fetch first sleeps this long (a slow peer)."""
+        self.fetch_gate: threading.Event | None = None
+        """Test-only: each fetch first waits for this event (until its deadline), so a test
+        decides when a transfer may land, whatever the machine's speed."""
         self.num_saved = 0
         self.num_saved_bytes = 0
         self.num_loaded_bytes = 0
@@ -367,6 +370,8 @@ class KVTransfer:
     def _fetch(self, params: KVTransferParams, deadline: float) -> torch.Tensor:
         if self.fetch_delay_s:
             time.sleep(self.fetch_delay_s)
+        if self.fetch_gate is not None:
+            self.fetch_gate.wait(max(deadline - time.monotonic(), 0.0))
         if time.monotonic() >= deadline:
             raise TimeoutError("the KV transfer timed out")
         if params.transport == "grpc" and self.config.kv_peer:  # where this engine pulls from

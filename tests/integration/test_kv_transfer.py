@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 
 import pytest
@@ -116,7 +117,7 @@ def test_a_prompt_sharing_the_prefix_during_a_delayed_transfer_computes_its_own(
     (handle,) = prefill(prefill_llm, [prompt])
     decode_llm = LLM(model, block_size=4, kv_role="decode")
     engine = decode_llm.engine
-    engine.kv_transfer.fetch_delay_s = 0.5
+    engine.kv_transfer.fetch_gate = gate = threading.Event()  # the transfer waits for it
     engine.add_request("remote", prompt, greedy(kv_transfer_params=handle))
     engine.step()  # the transfer starts
     assert engine.scheduler.kv_connector.num_loading == 1
@@ -128,6 +129,7 @@ def test_a_prompt_sharing_the_prefix_during_a_delayed_transfer_computes_its_own(
                 finished[output.request_id] = output.outputs[0].token_ids
                 if output.request_id == "local":
                     assert engine.scheduler.kv_connector.num_loading == 1  # done before the transfer
+                    gate.set()
     assert finished == {"remote": expected, "local": expected}
     stats = decode_llm.stats()
     assert stats["num_prefix_hit_tokens"] == 0 and stats["kv_loaded_tokens"] == len(prompt) - 1
