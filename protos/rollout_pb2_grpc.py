@@ -84,6 +84,11 @@ class RolloutEngineStub:
                 request_serializer=protos_dot_rollout__pb2.PullKVRequest.SerializeToString,
                 response_deserializer=protos_dot_rollout__pb2.PullKVResponse.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/rollout.v1.RolloutEngine/Score',
+                request_serializer=protos_dot_rollout__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutEngineServicer:
@@ -163,6 +168,15 @@ class RolloutEngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """The logprobs of given completions, without sampling: sequence i is a prompt (its first
+        prompt_lens[i] tokens) and a completion (the rest); one ScoreOutput per sequence, in order.
+        Sequences run through the scheduler like generation (chunked, sharing cached prompts).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutEngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -215,6 +229,11 @@ def add_RolloutEngineServicer_to_server(servicer, server):
                     servicer.PullKV,
                     request_deserializer=protos_dot_rollout__pb2.PullKVRequest.FromString,
                     response_serializer=protos_dot_rollout__pb2.PullKVResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=protos_dot_rollout__pb2.ScoreRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -487,6 +506,33 @@ class RolloutEngine:
             '/rollout.v1.RolloutEngine/PullKV',
             protos_dot_rollout__pb2.PullKVRequest.SerializeToString,
             protos_dot_rollout__pb2.PullKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutEngine/Score',
+            protos_dot_rollout__pb2.ScoreRequest.SerializeToString,
+            protos_dot_rollout__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,9 +23,11 @@ from rollout_engine.protocol import (
     RequestOutput,
     RequestOutputKind,
     SamplingParams,
+    ScoreOutput,
     SleepLevel,
     StepFailedError,
     StructuredOutputsParams,
+    TopLogprobs,
     WeightUpdateError,
 )
 
@@ -52,9 +54,11 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "ScoreOutput",
     "SleepLevel",
     "StepFailedError",
     "StructuredOutputsParams",
+    "TopLogprobs",
     "WeightUpdateError",
 ]
 

@@ -15,7 +15,9 @@ from rollout_engine.protocol import (
     RequestOutput,
     RequestOutputKind,
     SamplingParams,
+    ScoreOutput,
 )
+from rollout_engine.scoring import check_score_request, score_output, score_params
 
 if TYPE_CHECKING:
     from memory import MemoryEventLog
@@ -64,6 +66,36 @@ class LLM:
             self.engine.abort_request(request_ids)
             self._drain()
             raise
+
+    def score(
+        self,
+        sequences: Sequence[Sequence[int]],
+        prompt_lens: Sequence[int],
+        logprobs: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[ScoreOutput]:
+        """The logprobs of each sequence's completion (its tokens from `prompt_lens[i]` on),
+        each given everything before it, with the top `logprobs` tokens if set: no sampling.
+        Batched like generation (chunked prefill; sequences sharing a prompt share its KV)."""
+        if len(sequences) != len(prompt_lens):
+            raise InvalidRequestError(
+                f"got {len(sequences)} sequences and {len(prompt_lens)} prompt_lens; one each"
+            )
+        for token_ids, prompt_len in zip(sequences, prompt_lens):
+            check_score_request(token_ids, prompt_len)
+        params = score_params(logprobs)
+        request_ids = [f"score-{next(self._ids)}" for _ in sequences]
+        try:
+            for request_id, token_ids, prompt_len in zip(request_ids, sequences, prompt_lens):
+                self.engine.add_request(request_id, list(token_ids), params,
+                                        RequestOutputKind.FINAL_ONLY, prompt_logprobs_from=prompt_len)
+            outputs = self._run(request_ids, len(sequences), use_tqdm)
+            self._drain()
+        except BaseException:
+            self.engine.abort_request(request_ids)
+            self._drain()
+            raise
+        return [score_output(o, n, logprobs) for o, n in zip(outputs, prompt_lens)]
 
     # -- memory and weights: see LLMEngine for the semantics -----------------------------------
     def sleep(self, level: int = 1, mode: SleepMode = "abort") -> list[RequestOutput]:

@@ -62,6 +62,7 @@ class LLMEngine:
         self.worker = _worker_class(config)(
             config, self.hf_config, max_model_len, self.memory_events, self.reset_prefix_cache
         )
+        self.worker.set_eos_token_ids(self.processor.eos_token_ids)
         self.limits = RuntimeLimits(
             num_blocks=self.worker.num_blocks,
             max_model_len=max_model_len,
@@ -116,19 +117,28 @@ class LLMEngine:
         prompt: str | list[int],
         sampling_params: SamplingParams,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        prompt_logprobs_from: int = 1,
     ) -> None:
         """Queue `sampling_params.n` completions of one prompt; bad input raises at once.
-        `output_kind`: what the prompt's outputs from `step()` carry (see RequestOutputKind)."""
+        `output_kind`: what the prompt's outputs from `step()` carry (see RequestOutputKind).
+        `prompt_logprobs_from`: with `prompt_logprobs`, the first prompt position asked for
+        (scoring asks for the completion's positions only: the prefix cache serves the rest)."""
         if request_id in self.output_processor:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not isinstance(sampling_params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams")
         self.worker.check_ready()
-        text, token_ids = self.processor.encode(prompt)
+        text, token_ids = self.processor.encode(prompt, sampling_params.truncate_prompt_tokens)
+        self.processor.check(sampling_params)
         kv_params = sampling_params.kv_transfer_params
         if kv_params is not None:
             if self.kv_connector is None:
                 EngineKVConnector.refuse()
+            if kv_params.do_remote_prefill and sampling_params.prompt_logprobs is not None:
+                raise InvalidRequestError(
+                    "prompt_logprobs with a KV transfer handle: the prompt's KV is loaded, not "
+                    "computed here; ask the prefill engine for the prompt logprobs"
+                )
             self.kv_connector.check_request(kv_params, token_ids)
         compiled = None
         if sampling_params.structured_outputs is not None:
@@ -136,6 +146,7 @@ class LLMEngine:
 
             # A bad schema or regex is refused here, before any child is added.
             compiled = self._grammars().compile(sampling_params.structured_outputs)
+        bad_words = self.processor.bad_words_token_ids(sampling_params)
         group = RequestGroup(request_id, text, token_ids, output_kind=output_kind)
         for j in range(sampling_params.n):
             child = Request(
@@ -143,6 +154,12 @@ class LLMEngine:
             )
             if compiled is not None:
                 child.grammar = RequestGrammar(compiled)
+            child.stop_checker = self.processor.stop_checker(sampling_params, token_ids)
+            child.bad_words_token_ids = bad_words
+            if j == 0 and sampling_params.prompt_logprobs is not None:
+                # One sample computes them for the prompt; its siblings reuse its KV.
+                child.prompt_logprobs = [None] * len(token_ids)
+                child.prompt_logprobs_start = max(1, min(prompt_logprobs_from, len(token_ids)))
             try:
                 self.scheduler.add_request(child)
             except Exception:

@@ -12,7 +12,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from rollout_engine.core.request import Request
-from rollout_engine.protocol import CompletionOutput, RequestOutput, RequestOutputKind
+from rollout_engine.protocol import (
+    CompletionOutput,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+    TopLogprobs,
+)
 
 
 @dataclass
@@ -29,6 +35,8 @@ class RequestGroup:
     num_sent_logprobs: list[int] = field(default_factory=list)
     sent_finished: list[bool] = field(default_factory=list)
     """Per sample, whether an earlier output already reported it finished."""
+    sent_prompt_logprobs: bool = False
+    """DELTA: whether an earlier output carried the prompt logprobs."""
 
     @property
     def is_finished(self) -> bool:
@@ -42,7 +50,7 @@ class OutputProcessor:
     final output (after an abort) has not been handed out yet.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, decode: Callable[[list[int], SamplingParams], str]) -> None:
         self._decode = decode
         self._groups: dict[str, RequestGroup] = {}
         self._group_of: dict[str, str] = {}  # child request id -> group request id
@@ -118,12 +126,26 @@ class OutputProcessor:
 
     def _output(self, group: RequestGroup, weight_version: int) -> RequestOutput:
         outputs = [self._completion(group, j, weight_version) for j in range(len(group.children))]
-        output = RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.prompt)
+        output = RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.prompt,
+                               self._prompt_logprobs(group))
         if output.finished:
             del self._groups[group.request_id]
             for child in group.children:
                 del self._group_of[child.request_id]
         return output
+
+    @staticmethod
+    def _prompt_logprobs(group: RequestGroup) -> list[TopLogprobs | None] | None:
+        """The prompt's logprobs (sample 0 computes them) once all landed: in every output
+        but DELTA's, which carry them once."""
+        first = group.children[0]
+        if first.prompt_logprobs is None or first.num_prompt_logprobs_missing:
+            return None
+        if group.output_kind is RequestOutputKind.DELTA:
+            if group.sent_prompt_logprobs:
+                return None
+            group.sent_prompt_logprobs = True
+        return list(first.prompt_logprobs)
 
     def _completion(self, group: RequestGroup, j: int, weight_version: int) -> CompletionOutput:
         request = group.children[j]
@@ -140,9 +162,13 @@ class OutputProcessor:
             with_text = newly_finished  # once, with the sample's last tokens
         token_ids = request.output_token_ids[first_token:]
         self.num_token_ids_copied += len(token_ids)
+        params = request.sampling_params
         text = ""
-        if with_text and request.sampling_params.detokenize:
-            text = self._decode(request.output_token_ids)
+        if with_text and params.detokenize:
+            checker = request.stop_checker
+            text = checker.text if checker is not None else self._decode(
+                request.output_token_ids, params
+            )
         return CompletionOutput(
             index=request.sample_index,
             token_ids=token_ids,
@@ -151,4 +177,8 @@ class OutputProcessor:
             text=text,
             weight_version=weight_version,
             kv_transfer_params=request.kv_transfer_handle,
+            top_logprobs=(request.output_top_logprobs[first_token:]
+                          if params.logprobs is not None else None),
+            stop_str=request.stop_str,
+            stop_token_id=request.stop_token_id,
         )

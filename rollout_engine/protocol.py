@@ -36,6 +36,13 @@ SLEEP_MODES: tuple[str, ...] = ("abort", "wait")
 
 # Temperatures below this are treated as greedy decoding.
 GREEDY_EPSILON = 1e-5
+MAX_LOGPROBS = 20
+"""The most top logprobs a request may ask for per position (`logprobs`, `prompt_logprobs`;
+vLLM's default `max_logprobs`)."""
+LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
+LOGPROBS_MODES: tuple[str, ...] = ("processed_logprobs", "raw_logprobs")
+MAX_LOGIT_BIAS = 100.0
+"""`logit_bias` values are clamped to [-100, 100] (OpenAI's range)."""
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -391,8 +398,54 @@ class SamplingParams:
     kv_transfer_params: KVTransferParams | None = None
     """Prefill–decode disaggregation: save the prompt's KV for a decode engine, or load it
     from a prefill engine's handle (see KVTransferParams)."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a completion (a str is taken as one). A stop string may span several
+    tokens; the completion's `token_ids` end with the token that completed it, its `text` is
+    cut before it (after it with `include_stop_str_in_output`), `finish_reason` is "stop" and
+    `stop_reason` the string. Looked for in the new text of each token, once `min_tokens`
+    tokens were generated (the first string of the list found wins)."""
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    """EOS and `stop_token_ids` are masked, and stop strings end nothing, until this many tokens
+    were generated."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the completion already holds (OpenAI's rule),
+    before temperature; in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the completion already holds it; [-2, 2]."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id -> a value added to its logit before penalties (clamped to [-100, 100])."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be sampled (None: all)."""
+    bad_words: list[str] = field(default_factory=list)
+    """Words never generated: a word's last token is masked wherever the completion ends with
+    its other tokens (each word tokenized alone and after a space, as vLLM does)."""
+    logprobs: int | None = None
+    """Return the `logprobs` most likely tokens and their logprobs at each generated position
+    (`CompletionOutput.top_logprobs`), with the sampled token's always first; 0 returns only the
+    sampled token's entry with its rank. At most MAX_LOGPROBS. None: none (the sampled tokens'
+    logprobs are in `CompletionOutput.logprobs` always)."""
+    logprobs_mode: LogprobsMode = "processed_logprobs"
+    """Which distribution every returned logprob (`logprobs` and `top_logprobs`) is of:
+    "processed_logprobs", the one the token was sampled from (after masks, bias, penalties,
+    temperature, top-k/p, min-p; for greedy rows at temperature 1), or "raw_logprobs", the
+    model's own log-softmax."""
+    prompt_logprobs: int | None = None
+    """Return, for every prompt position but the first, the logprob of the prompt's token there
+    and of the `prompt_logprobs` most likely tokens (`RequestOutput.prompt_logprobs`; the raw
+    model distribution). At most MAX_LOGPROBS. The prompt is then computed, never read from
+    the prefix cache."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last k tokens (None: all)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of `text`."""
+    spaces_between_special_tokens: bool = True
+    """Slow tokenizers: a space between special tokens in `text`."""
 
     def __post_init__(self) -> None:
+        self._check_stop()
+        self._check_logits_processing()
+        self._check_logprobs()
         self.stop_token_ids = list(self.stop_token_ids)
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be >= 1, got {self.n!r}")
         _check(
@@ -433,6 +486,57 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
 
+    @property
+    def any_output_penalty(self) -> bool:
+        """A penalty that reads the tokens generated so far (presence, frequency)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def _check_stop(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               f"stop must be a list of non-empty strings, got {self.stop!r}")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens,
+               f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        _check(not isinstance(self.max_tokens, int) or self.min_tokens <= self.max_tokens,
+               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+
+    def _check_logits_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and -2.0 <= value <= 2.0,
+                   f"{name} must be in [-2, 2], got {value!r}")
+        bias = dict(self.logit_bias or {})
+        _check(all(isinstance(t, int) and t >= 0 and isinstance(v, (int, float))
+                   for t, v in bias.items()),
+               f"logit_bias must map token ids (>= 0) to numbers, got {self.logit_bias!r}")
+        self.logit_bias = {int(t): max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(v)))
+                           for t, v in bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            _check(bool(self.allowed_token_ids)
+                   and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                   f"allowed_token_ids must be a non-empty list of token ids, got "
+                   f"{self.allowed_token_ids!r}")
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words)
+        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words),
+               f"bad_words must be non-empty strings, got {self.bad_words!r}")
+
+    def _check_logprobs(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
+                   f"{name} must be None or in [0, {MAX_LOGPROBS}], got {value!r}")
+        _check(self.logprobs_mode in LOGPROBS_MODES,
+               f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        _check(self.truncate_prompt_tokens is None
+               or (isinstance(self.truncate_prompt_tokens, int)
+                   and self.truncate_prompt_tokens >= 1),
+               f"truncate_prompt_tokens must be None or >= 1, got {self.truncate_prompt_tokens!r}")
+
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
@@ -440,6 +544,30 @@ def _check(ok: bool, message: str) -> None:
 
 
 # -------------------------------------------------------------------------------- outputs
+
+
+@dataclass
+class Logprob:
+    """One token's entry at a position (vLLM's `Logprob`)."""
+
+    logprob: float
+    rank: int
+    """1 for the most likely token of the distribution."""
+
+
+@dataclass
+class TopLogprobs:
+    """The logprobs returned at one position: the sampled (or, in a prompt, the actual) token
+    first, then the most likely tokens, most likely first (the first token may be among them
+    again). All of one distribution (see `SamplingParams.logprobs_mode`)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+    def as_dict(self) -> dict[int, Logprob]:
+        """vLLM's form: token id -> Logprob, the first token first."""
+        return {t: Logprob(lp, r) for t, lp, r in zip(self.token_ids, self.logprobs, self.ranks)}
 
 
 @dataclass
@@ -459,10 +587,34 @@ class CompletionOutput:
     kv_transfer_params: KVTransferParams | None = None
     """A prefill for a remote decode: the handle of the prompt's KV, to pass to the decode
     engine (None if saving it failed: the decode engine then computes the prompt)."""
+    top_logprobs: list[TopLogprobs] | None = None
+    """With `SamplingParams.logprobs` set: one entry per token of `token_ids`."""
+    stop_str: str | None = None
+    """The stop string that ended the completion (finish reason "stop")."""
+    stop_token_id: int | None = None
+    """The `stop_token_ids` entry that ended the completion (not for EOS)."""
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        """vLLM's `stop_reason`: the stop string or stop token id that ended the completion;
+        None for EOS, length or abort."""
+        return self.stop_str if self.stop_str is not None else self.stop_token_id
+
+
+@dataclass
+class ScoreOutput:
+    """The logprobs of one scored sequence's completion part (`score`): no sampling, the
+    model's raw distribution."""
+
+    logprobs: list[float]
+    """Per completion token: its logprob given everything before it."""
+    top_logprobs: list[TopLogprobs] | None = None
+    """With `logprobs=k`: per completion token, its entry first, then the k most likely."""
+    weight_version: int = 0
 
 
 @dataclass
@@ -473,6 +625,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     prompt: str | None = None
+    prompt_logprobs: list[TopLogprobs | None] | None = None
+    """With `SamplingParams.prompt_logprobs` set: per prompt position, the logprobs of the
+    prompt's token there (None for the first); in the first output of a stream."""
 
     @property
     def finished(self) -> bool:

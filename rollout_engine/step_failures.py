@@ -43,8 +43,16 @@ def step_error(exc: BaseException, group_ids: Sequence[str]) -> BaseException:
 def dead_end_error(
     request: Request, group_ids: Sequence[str], vocab_size: int
 ) -> GrammarDeadEndError:
-    """Structured outputs: `request`'s constraint allowed no token of the vocabulary, and the
-    prompts `group_ids` were ended."""
+    """`request`'s constraint, or its token masks, allowed no token of the vocabulary, and
+    the prompts `group_ids` were ended."""
+    if request.grammar is None:  # allowed_token_ids, bad_words and min_tokens left nothing
+        return GrammarDeadEndError(
+            f"the sampling parameters of request {request.request_id!r} allow no token after "
+            f"{request.num_output_tokens} output tokens (allowed_token_ids, bad_words and "
+            f"min_tokens, which masks EOS and stop_token_ids, left nothing); "
+            f"{len(group_ids)} prompt(s) were ended. Allow more tokens",
+            request_ids=list(group_ids),
+        )
     return GrammarDeadEndError(
         f"the structured-output constraint of request {request.request_id!r} allows no "
         f"token of the model's vocabulary (ids below {vocab_size}) after "

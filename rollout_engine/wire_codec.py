@@ -4,8 +4,8 @@ No generated stubs are imported here: messages are passed in and read through th
 descriptor, so the server and `trainer_bridge` share one codec and neither mirrors a type.
 The rules: an unset proto3 `optional` scalar is the dataclass default (None for optional
 fields), repeated fields are lists (an empty one is None where the dataclass default is
-None), maps are dicts, nested messages are dataclasses, and an unset nested message is the
-dataclass default.
+None; repeated messages are lists of dataclasses), maps are dicts, nested messages are
+dataclasses, and an unset nested message is the dataclass default.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ def to_message(obj: Any, message: Any) -> Any:
                     to_message(item, target[key])
                 else:
                     target[key] = item
+        elif descriptor.is_repeated and descriptor.message_type is not None:
+            for item in value:
+                to_message(item, target.add())
         elif descriptor.is_repeated:
             target.extend(value)
         elif descriptor.message_type is not None:
@@ -59,7 +62,11 @@ def from_message(message: Any, cls: type[T]) -> T:
         elif descriptor.is_repeated:
             if not value and field.default is None:
                 continue
-            value = list(value)
+            if descriptor.message_type is not None:
+                item_cls = typing.get_args(_without_none(hints[field.name]))[0]
+                value = [from_message(item, item_cls) for item in value]
+            else:
+                value = list(value)
         elif descriptor.message_type is not None:
             value = from_message(value, _without_none(hints[field.name]))
         kwargs[field.name] = value

@@ -67,12 +67,14 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest run of full blocks matching the request's tokens: cached, or being written
-        by the step now being scheduled. The last token is never served: its logits are needed.
+        by the step now being scheduled. The last token is never served: its logits are needed
+        (nor positions whose asked-for prompt logprobs need their logits; see
+        `Request.max_prefix_hit_tokens`).
         """
         if not self.enable_prefix_caching or request.num_computed_tokens > 0:
             return [], 0
         bs = self.block_size
-        max_hit_blocks = (request.num_tokens - 1) // bs
+        max_hit_blocks = request.max_prefix_hit_tokens // bs
         parent_hash, hits = ROOT_HASH, []
         for i in range(max_hit_blocks):
             token_ids = request.all_token_ids[i * bs : (i + 1) * bs]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
-from rollout_engine.protocol import FinishReason, KVTransferParams, SamplingParams
+from rollout_engine.protocol import FinishReason, KVTransferParams, SamplingParams, TopLogprobs
 
 if TYPE_CHECKING:
     from rollout_engine.core.structured_output import RequestGrammar
+    from rollout_engine.detokenizer import StopChecker
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +49,14 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[TopLogprobs] = []
+        """With `SamplingParams.logprobs`: one entry per output token."""
+        self.prompt_logprobs: list[TopLogprobs | None] | None = None
+        """With `SamplingParams.prompt_logprobs` (sample 0 of a prompt computes them): per prompt
+        position, filled as its prompt's chunks land (position 0 has none)."""
+        self.prompt_logprobs_start = 0
+        """The first prompt position whose logprob is asked for (0: none asked). The prefix
+        cache may serve only the positions before the one that predicts it."""
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
@@ -71,6 +80,13 @@ class Request:
         """Positions whose KV came, or is coming, from a remote engine instead of a forward."""
         self.grammar: RequestGrammar | None = None
         """Structured outputs: the matcher of the request's constraint (set by the engine)."""
+        self.stop_checker: StopChecker | None = None
+        """Stop strings: decodes the output as it grows and finds them (set by the engine)."""
+        self.stop_str: str | None = None
+        self.stop_token_id: int | None = None
+        """What ended the request, for `CompletionOutput.stop_reason`."""
+        self.bad_words_token_ids: list[list[int]] = []
+        """`SamplingParams.bad_words` as token id sequences (the engine tokenizes them)."""
         self.is_dead_ended = False
         """Structured outputs: ended ("abort") because its constraint allowed no token of the
         model's vocabulary at its next position; the engine raises GrammarDeadEndError."""
@@ -109,11 +125,36 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_output_token(self, token_id: int, logprob: float | None) -> None:
+    @property
+    def num_prompt_logprobs_missing(self) -> int:
+        """Prompt positions whose asked-for logprobs have not landed yet."""
+        if not self.prompt_logprobs_start:
+            return 0
+        return sum(lp is None for lp in self.prompt_logprobs[self.prompt_logprobs_start :])
+
+    @property
+    def max_prefix_hit_tokens(self) -> int:
+        """Positions the prefix cache may serve: all but the last token, and, while asked-for
+        prompt logprobs are missing, only those before the position that predicts the first."""
+        if self.num_prompt_logprobs_missing:
+            return self.prompt_logprobs_start - 1
+        return self.num_tokens - 1
+
+    def append_output_token(
+        self, token_id: int, logprob: float | None, top_logprobs: TopLogprobs | None = None
+    ) -> None:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)
+
+    def set_prompt_logprobs(self, first_position: int, entries: list[TopLogprobs]) -> None:
+        """Logprobs of prompt positions [first_position, +len(entries)) (recomputed after a
+        preemption: the same values again)."""
+        assert self.prompt_logprobs is not None
+        self.prompt_logprobs[first_position : first_position + len(entries)] = entries
 
     def __repr__(self) -> str:
         return (

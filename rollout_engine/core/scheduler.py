@@ -22,7 +22,12 @@ from rollout_engine.core.scheduler_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from rollout_engine.protocol import FinishReason, InvalidRequestError, OutOfBlocksError
+from rollout_engine.protocol import (
+    FinishReason,
+    InvalidRequestError,
+    OutOfBlocksError,
+    TopLogprobs,
+)
 
 if TYPE_CHECKING:
     from rollout_engine.core.structured_output import RequestGrammar
@@ -183,8 +188,12 @@ class Scheduler:
             request = self._landed(scheduled)
             if request is None:
                 continue  # ended, or preempted since it was scheduled: its output is stale
+            prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
+            if prompt_logprobs is not None:
+                request.set_prompt_logprobs(*prompt_logprobs)
             sampled = runner_output.sampled_token_ids.get(request.request_id, [])
             logprobs = (runner_output.logprobs or {}).get(request.request_id)
+            top_logprobs = runner_output.top_logprobs.get(request.request_id)
             num_drafts = scheduled.num_spec_tokens
             request.spec_token_ids = []
             assert len(sampled) <= num_drafts + 1, f"{len(sampled)} tokens for {num_drafts} drafts"
@@ -200,7 +209,7 @@ class Scheduler:
                 continue  # a prefill chunk short of the prompt's end yields no token
             if scheduled.needs_sample and self.async_scheduling:
                 request.num_output_placeholders -= 1
-            self._append_tokens(request, sampled, logprobs)
+            self._append_tokens(request, sampled, logprobs, top_logprobs)
             updated.append(request)
         if any(r.is_finished for r in updated):
             self.running = [r for r in self.running if not r.is_finished]
@@ -391,7 +400,9 @@ class Scheduler:
             request.num_output_placeholders == 1  # one step ahead: its input is that output
             and num_outputs < params.max_tokens
             and request.num_tokens + request.num_output_placeholders < self.max_model_len
-            and params.repetition_penalty == 1.0
+            and params.repetition_penalty == 1.0  # penalties and bad words read the output
+            and not params.any_output_penalty
+            and all(len(word) == 1 for word in request.bad_words_token_ids)
             and request.grammar is None  # its mask needs the token in flight
         )
 
@@ -412,6 +423,8 @@ class Scheduler:
                 output_token_ids=list(request.output_token_ids),
                 sampling_params=request.sampling_params,
                 sample_index=request.sample_index,
+                bad_words_token_ids=request.bad_words_token_ids,
+                prompt_logprobs_start=request.prompt_logprobs_start,
             ))
             new_token_ids = []
         else:
@@ -459,14 +472,18 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _append_tokens(
-        self, request: Request, token_ids: list[int], logprobs: list[float] | None
+        self, request: Request, token_ids: list[int], logprobs: list[float] | None,
+        top_logprobs: list[TopLogprobs] | None = None,
     ) -> None:
+        """Commit tokens one by one, up to the first that ends the request (the rest, accepted
+        drafts after a stop, are dropped)."""
         for i, token_id in enumerate(token_ids):
             if token_id == NO_ALLOWED_TOKEN_ID:  # its grammar dead-ended: nothing to append
                 request.is_dead_ended = True
                 self._finish(request, "abort")
                 return
-            request.append_output_token(token_id, logprobs[i] if logprobs else None)
+            request.append_output_token(token_id, logprobs[i] if logprobs else None,
+                                        top_logprobs[i] if top_logprobs else None)
             reason = self._stop_reason(request, token_id)
             if request.grammar is not None:
                 if not request.grammar.accept(token_id):
@@ -478,11 +495,19 @@ class Scheduler:
                 return
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        """Why `token_id`, just appended, ends the request, if it does. Before `min_tokens`
+        tokens nothing but the length stops it (EOS and stop ids are masked there anyway)."""
         params = request.sampling_params
-        if token_id in params.stop_token_ids:
+        # The stop checker reads every token (its text is the completion's), first.
+        if request.stop_checker is not None and request.stop_checker.accept(token_id):
+            request.stop_str = request.stop_checker.stop_string
             return "stop"
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                request.stop_token_id = token_id
+                return "stop"
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return "stop"
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return "length"
         return None

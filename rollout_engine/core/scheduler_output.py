@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rollout_engine.protocol import KVTransferParams, SamplingParams
+from rollout_engine.protocol import KVTransferParams, SamplingParams, TopLogprobs
 
 PLACEHOLDER_TOKEN_ID = -1
 """Stands for a token that a step in flight is sampling (async scheduling)."""
@@ -26,6 +26,10 @@ class NewRequestData:
     resumed one (its KV is recomputed over prompt and output)."""
     sampling_params: SamplingParams
     sample_index: int
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    """`SamplingParams.bad_words` as token id sequences (tokenized by the engine)."""
+    prompt_logprobs_start: int = 0
+    """The first prompt position whose logprob the worker computes (0: none)."""
 
 
 @dataclass
@@ -119,3 +123,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[float]] | None = None
     """The fp32 logprob of each sampled token under the distribution sampled from."""
+    top_logprobs: dict[str, list[TopLogprobs]] = field(default_factory=dict)
+    """Requests with `SamplingParams.logprobs`: one entry per sampled token."""
+    prompt_logprobs: dict[str, tuple[int, list[TopLogprobs]]] = field(default_factory=dict)
+    """Requests with prompt logprobs: (first prompt position, one entry per position from it)
+    for the positions this step computed."""

@@ -17,6 +17,7 @@ from rollout_engine.worker.kv_cache_spec import PagedKVCache
 from rollout_engine.worker.models.decoder import DecoderForCausalLM
 from rollout_engine.worker.models.packed_linear import PackedModuleLinears, PackedWeights
 from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
+from rollout_engine.worker.prompt_logprobs import compute_prompt_logprobs
 from rollout_engine.worker.sampler import Sampler
 from rollout_engine.worker.staging import HostStaging
 from rollout_engine.worker.step_inputs import StepInputs, build_step_inputs
@@ -142,8 +143,14 @@ class ModelRunner:
             hidden = self.decode_graphs.run(step.input_ids, step.positions, step.metadata)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+        prompt_logprobs = {}
+        if step.prompt_logprobs_jobs:  # every rank: the logits are gathered across ranks
+            prompt_logprobs = compute_prompt_logprobs(
+                self.model.compute_logits, hidden, step.prompt_logprobs_jobs, self.vocab_size
+            )
         if not step.sampled_request_ids:
-            return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
+            return ModelRunnerOutput(sampled_token_ids={}, logprobs={},
+                                     prompt_logprobs=prompt_logprobs)
         if step.logits_rows.shape[0] != hidden.shape[0]:
             hidden = hidden.index_select(0, step.logits_rows)
         logits = self.model.compute_logits(hidden)  # [P, vocab] float32
@@ -162,6 +169,9 @@ class ModelRunner:
         return ModelRunnerOutput(
             sampled_token_ids={rid: res.token_ids for rid, res in zip(request_ids, results)},
             logprobs={rid: res.logprobs for rid, res in zip(request_ids, results)},
+            top_logprobs={rid: res.top_logprobs for rid, res in zip(request_ids, results)
+                          if res.top_logprobs is not None},
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _use_graphs(self, step: StepInputs) -> bool:

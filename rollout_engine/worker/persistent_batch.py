@@ -36,6 +36,8 @@ class RequestState:
     sample_index: int
     row: int
     """Its row of `PersistentBatch.table`."""
+    bad_words_token_ids: list[list[int]]
+    prompt_logprobs_start: int
 
 
 @dataclass
@@ -61,6 +63,9 @@ class StepRequest:
     num_prompt_tokens: int
     token_ids: list[int]
     """Prompt and committed output (penalties read it)."""
+    bad_words_token_ids: list[list[int]]
+    prompt_logprobs_start: int
+    """The first prompt position whose logprob is asked for (0: none)."""
 
 
 class PersistentBatch:
@@ -116,6 +121,8 @@ class PersistentBatch:
                 input_from_previous_step=scheduled.input_from_previous_step,
                 num_prompt_tokens=state.num_prompt_tokens,
                 token_ids=state.token_ids,
+                bad_words_token_ids=state.bad_words_token_ids,
+                prompt_logprobs_start=state.prompt_logprobs_start,
             ))
         return step
 
@@ -153,6 +160,8 @@ class PersistentBatch:
             sampling_params=new.sampling_params,
             sample_index=new.sample_index,
             row=self._free_rows.pop(),
+            bad_words_token_ids=new.bad_words_token_ids,
+            prompt_logprobs_start=new.prompt_logprobs_start,
         )
 
     def _append_blocks(self, state: RequestState, block_ids: list[int]) -> None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout_engine.protocol import TopLogprobs
+
 
 @dataclass
 class SampleResult:
@@ -26,8 +28,12 @@ class SampleResult:
     token_ids: list[int]
     """Accepted drafts + one token from the target (len = num_accepted_drafts + 1)."""
     logprobs: list[float]
-    """fp32 logprob of each returned token under the target's processed distribution."""
+    """fp32 logprob of each returned token under the target's processed distribution (the
+    raw one with `logprobs_mode="raw_logprobs"`)."""
     num_accepted_drafts: int
+    top_logprobs: list[TopLogprobs] | None = None
+    """With `SamplingParams.logprobs` set: one entry per returned token (the token, its
+    logprob and rank, then the most likely tokens at its position); else None."""
 
 
 # Tokens per block of the two-level inverse CDF below.

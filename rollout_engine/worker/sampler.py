@@ -1,37 +1,70 @@
-"""Turns target logits into tokens: repetition penalty, temperature, filters, random draws.
+"""Turns target logits into tokens: logits processing, temperature, filters, random draws.
+
+Per sampled position (a row with drafts owns len(drafts) + 1 consecutive positions; position
+j has seen the row's output and drafts[:j]), in this order:
+
+1. Logits processing (`logits_processing`): the masks (structured-outputs bitmask,
+   `allowed_token_ids`, `bad_words`, `min_tokens`), then `logit_bias`, then the penalties
+   (repetition over prompt + output, then frequency and presence over the output). A
+   position the masks leave no token answers NO_ALLOWED_TOKEN_ID with logprob -inf.
+2. Greedy rows: the argmax of the processed logits; their distribution is the processed
+   logits' log-softmax at temperature 1.
+3. Sampled rows: temperature, then top-k, top-p and min-p, then the inverse-CDF draw of the
+   position's own uniform (`position_uniform`); drafts are verified by `rejection_sampler`.
+4. Logprobs: each returned token's logprob under the distribution it came from (2 or 3), or,
+   for rows with `logprobs_mode="raw_logprobs"`, under the model's raw `log_softmax(logits)`.
+   Rows with `logprobs=k` also get, per returned token, its rank (1 + the number of tokens
+   with a strictly larger logprob) and the k most likely tokens of that same distribution.
 
 Sampling is split in two so that a step waits for the device once: `Sampler.plan` runs on
 the host before the forward and turns the rows' parameters into arrays (they travel to the
 device with the step's inputs) and branch decisions (which would otherwise need a host
-sync each); `Sampler.sample` then works on the device and brings back the tokens and
-logprobs in one copy. Draft verification lives in `rejection_sampler`.
+sync each); `Sampler.sample_positions` then works on the device and `Sampler.to_results`
+brings back the tokens, logprobs and top logprobs in one copy. A batch that uses none of
+logits processing or top logprobs takes the same path, at the same cost, as plain sampling.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from rollout_engine.core.scheduler_output import NO_ALLOWED_TOKEN_ID
-from rollout_engine.protocol import SamplingParams
+from rollout_engine.protocol import SamplingParams, TopLogprobs
+from rollout_engine.worker.logits_processing import (  # noqa: F401 (re-exported)
+    LogitsProcessing,
+    allowed_tokens,
+    apply_repetition_penalty,
+    apply_token_bitmask,
+    penalise,
+    process_logits,
+    processing_arrays,
+    repetition_penalty_arrays,
+)
 from rollout_engine.worker.ragged import index_within_runs
+from rollout_engine.worker.random_streams import (  # noqa: F401 (re-exported)
+    position_uniform,
+    position_uniforms,
+    request_stream_seed,
+)
 from rollout_engine.worker.rejection_sampler import (
     SampleResult,
     accept_matching_drafts,
     inverse_cdf_sample,
 )
-
-_MASK_64 = (1 << 64) - 1
-_GOLDEN_GAMMA, _MIX_1, _MIX_2 = (
-    np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+from rollout_engine.worker.sampling_filters import (  # noqa: F401 (re-exported)
+    FilterDecisions,
+    FilterHints,
+    filter_decisions,
+    filter_hints,
+    filter_logits,
 )
-_SHIFT_11, _SHIFT_27, _SHIFT_30, _SHIFT_31 = (np.uint64(n) for n in (11, 27, 30, 31))
-# Top-p first looks for its nucleus among this many most likely tokens (a partial sort),
-# and falls back to a full sort only for rows whose nucleus reaches past them.
-_NUM_TOP_P_CANDIDATES = 64
+
+_RAW_LOGPROBS = "raw_logprobs"
 
 
 @dataclass
@@ -43,253 +76,26 @@ class SamplingRow:
     """The request's own random stream (`request_stream_seed`), or None: a fresh stream
     drawn from the sampler's default one, in row order."""
     token_history: list[int]
-    """Prompt + committed output tokens (for repetition_penalty)."""
+    """Prompt + committed output tokens when processing reads them (`needs_history`: the
+    repetition, presence and frequency penalties, bad words of several tokens); else []."""
     draft_token_ids: list[int]
     """Speculative drafts to verify ([] for a plain step)."""
     first_output_index: int = 0
     """Output index of the row's first sampled position (= its committed output tokens)."""
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK_64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK_64
-    return x ^ (x >> 31)
-
-
-def request_stream_seed(seed: int, sample_index: int) -> int:
-    """The random stream of sample `sample_index` of a prompt seeded with `seed`: the `n`
-    samples of one prompt differ from each other, but not from run to run."""
-    assert sample_index >= 0, f"sample_index must be >= 0, got {sample_index}"
-    return _splitmix64(_splitmix64(seed & _MASK_64) ^ sample_index)
-
-
-def position_uniform(stream_seed: int, output_index: int) -> float:
-    """The uniform in [0, 1) of one output position of one stream (counter-based: no state).
-
-    Every sampled token is drawn with the uniform of its own position, so a seeded request's
-    tokens depend on its seed, prompt and parameters only: not on the batch it shares, on
-    preemption, or on how many drafts were verified around it.
-    """
-    return (_splitmix64(stream_seed ^ _splitmix64(output_index)) >> 11) * 2.0**-53
-
-
-def _splitmix64_array(x: np.ndarray) -> np.ndarray:
-    """`_splitmix64` on a uint64 array (numpy's uint64 array arithmetic wraps mod 2**64)."""
-    x = x + _GOLDEN_GAMMA
-    x = (x ^ (x >> _SHIFT_30)) * _MIX_1
-    x = (x ^ (x >> _SHIFT_27)) * _MIX_2
-    return x ^ (x >> _SHIFT_31)
-
-
-def position_uniforms(stream_seeds: np.ndarray, output_indices: np.ndarray) -> np.ndarray:
-    """`position_uniform` for arrays of uint64 stream seeds and output indices: float64."""
-    mixed = _splitmix64_array(stream_seeds ^ _splitmix64_array(output_indices.astype(np.uint64)))
-    return (mixed >> _SHIFT_11).astype(np.float64) * 2.0**-53
-
-
-def repetition_penalty_arrays(
-    rows: list[SamplingRow], offsets: list[int], vocab_size: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Host side of the repetition penalty: (position, token) pairs of every token a
-    penalised position has seen, and each position's penalty (1.0 = none).
-
-    Position j of a row has seen the row's history and drafts[:j]. Ids >= vocab are ignored.
-    """
-    penalty = np.ones(offsets[-1], dtype=np.float32)
-    seen_positions: list[np.ndarray] = []
-    seen_tokens: list[np.ndarray] = []
-    for i, row in enumerate(rows):
-        if row.params.repetition_penalty == 1.0:
-            continue
-        start, end = offsets[i], offsets[i + 1]
-        penalty[start:end] = row.params.repetition_penalty
-        history = np.unique(np.asarray(row.token_history, dtype=np.int64))
-        history = history[history < vocab_size]
-        for j in range(end - start):
-            tokens = np.concatenate([history, np.asarray(row.draft_token_ids[:j], np.int64)])
-            seen_positions.append(np.full(len(tokens), start + j, dtype=np.int64))
-            seen_tokens.append(tokens)
-    empty = np.zeros(0, dtype=np.int64)
-    return (
-        np.concatenate(seen_positions) if seen_positions else empty,
-        np.concatenate(seen_tokens) if seen_tokens else empty,
-        penalty,
-    )
-
-
-def penalise(
-    logits: torch.Tensor,
-    seen_positions: torch.Tensor,
-    seen_tokens: torch.Tensor,
-    penalty: torch.Tensor,
-) -> torch.Tensor:
-    """Hugging Face's rule: a seen token's logit is divided by the penalty if > 0, else
-    multiplied. logits [S, V]; seen_* [N] index pairs; penalty [S]."""
-    seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-    seen[seen_positions, seen_tokens] = True
-    penalty = penalty[:, None]
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalised, logits)
-
-
-def apply_repetition_penalty(
-    logits: torch.Tensor, rows: list[SamplingRow], offsets: list[int]
-) -> torch.Tensor:
-    """`penalise` with the pairs of `repetition_penalty_arrays` (rows own `offsets`)."""
-    if all(row.params.repetition_penalty == 1.0 for row in rows):
-        return logits
-    arrays = repetition_penalty_arrays(rows, offsets, logits.shape[1])
-    return penalise(logits, *(torch.from_numpy(a).to(logits.device) for a in arrays))
-
-
-def allowed_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[P, vocab_size] bool from a bitmask [P, W] int32 (W >= ceil(vocab_size / 32)), bit j of
-    word w standing for token 32 * w + j; bits of ids >= vocab_size (tokens the tokenizer has
-    and the model cannot emit) are dropped."""
-    bits = torch.arange(32, device=device, dtype=torch.int32)
-    allowed = (bitmask.to(device, torch.int32)[:, :, None] >> bits) & 1  # [P, W, 32]
-    return allowed.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Tokens whose bit is 0 get -inf. logits [P, V]; bitmask [P, W] int32 (`allowed_tokens`)."""
-    allowed = allowed_tokens(bitmask, logits.shape[1], logits.device)
-    return logits.masked_fill(~allowed, float("-inf"))
-
-
-def _top_k_top_p_removed(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, num_candidates: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask of tokens that top-k then top-p remove, looking only at the `num_candidates` most
-    likely tokens of each row, and which rows that was enough for (`is_exact`)."""
-    # logits [S, V]; top_k [S] in 1..V (V = off); top_p [S] in (0, 1] (1 = off)
-    vocab_size = logits.shape[1]
-    values, ids = logits.topk(num_candidates, dim=-1)  # [S, K], descending
-    kth_value = values.gather(1, (top_k.clamp(max=num_candidates) - 1)[:, None])  # [S, 1]
-    kth_value = kth_value.masked_fill(top_k[:, None] > num_candidates, float("-inf"))
-    removed = logits < kth_value  # top-k; ties with the k-th token are kept, as in HF
-    num_allowed_by_top_k = (~removed).sum(-1)  # [S]
-    # Nucleus: the smallest prefix of the (top-k renormalised) sorted probs with mass >= top_p.
-    log_z = logits.masked_fill(removed, float("-inf")).logsumexp(-1, keepdim=True)  # [S, 1]
-    probs = (values.masked_fill(values < kth_value, float("-inf")) - log_z).exp()  # [S, K]
-    kept_sorted = probs.cumsum(-1) - probs < top_p[:, None]  # mass strictly before < top_p
-    nucleus_removed = torch.ones_like(removed).scatter_(1, ids, ~kept_sorted)
-    uses_top_p = top_p < 1.0
-    removed = torch.where(uses_top_p[:, None], removed | nucleus_removed, removed)
-    # The nucleus may reach past the candidates only if the last one is kept and top-k
-    # leaves more tokens than there are candidates.
-    reaches_past = kept_sorted[:, -1] & (num_allowed_by_top_k > num_candidates)
-    is_exact = ~uses_top_p | ~reaches_past | (num_candidates == vocab_size)
-    return removed, is_exact
-
-
-@dataclass(frozen=True)
-class FilterHints:
-    """What the host already knows about a batch's filters, so filtering never asks the
-    device (each question would be a host sync)."""
-
-    sort_rows: torch.Tensor | None
-    """[K] int64: rows with top-k or top-p on (on the logits' device); None when K = 0."""
-    num_sort_rows: int
-    max_k: int
-    """The largest top-k below the vocabulary size among them (0 if none)."""
-    any_top_p: bool
-    any_min_p: bool
-    exact_in_one_pass: bool
-    """Sort top-p rows over the whole vocabulary at once instead of over candidates with a
-    data-dependent fallback (the right trade on a GPU, where the fallback's check syncs)."""
-
-
-@dataclass(frozen=True)
-class FilterDecisions:
-    """The filter branches of a batch, decided on the host from its per-row parameters."""
-
-    top_k: np.ndarray
-    """[S] int64, with "off" (< 1 or > vocab) written as the vocabulary size."""
-    sort_rows: np.ndarray
-    """[K] int64: rows with top-k or top-p on."""
-    max_k: int
-    """The largest top-k below the vocabulary size (0 if none)."""
-    any_top_p: bool
-    any_min_p: bool
-
-
-def filter_decisions(
-    top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray, vocab_size: int
-) -> FilterDecisions:
-    top_k = np.where((top_k < 1) | (top_k > vocab_size), vocab_size, top_k)
-    limited_k = top_k[top_k < vocab_size]
-    return FilterDecisions(
-        top_k=top_k,
-        sort_rows=np.flatnonzero((top_k < vocab_size) | (top_p < 1.0)),
-        max_k=int(limited_k.max()) if len(limited_k) else 0,
-        any_top_p=bool((top_p < 1.0).any()),
-        any_min_p=bool((min_p > 0).any()),
-    )
-
-
-def filter_hints(
-    top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, vocab_size: int
-) -> FilterHints:
-    """Hints read from the tensors themselves (host syncs; fine on the CPU and in tests)."""
-    decisions = filter_decisions(
-        top_k.cpu().numpy(), top_p.cpu().numpy(), min_p.cpu().numpy(), vocab_size
-    )
-    return FilterHints(
-        sort_rows=torch.from_numpy(decisions.sort_rows).to(top_k.device),
-        num_sort_rows=len(decisions.sort_rows),
-        max_k=decisions.max_k,
-        any_top_p=decisions.any_top_p,
-        any_min_p=decisions.any_min_p,
-        exact_in_one_pass=top_k.is_cuda,
-    )
-
-
-def filter_logits(
-    logits: torch.Tensor,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor | None,
-    min_p: torch.Tensor | None,
-    hints: FilterHints | None = None,
-) -> torch.Tensor:
-    """Top-k, then top-p, then min-p; removed tokens get -inf. One (partial) sort per batch.
-
-    Without `hints` they are read from the tensors (which syncs on a GPU). With them, a
-    parameter the hints say is off everywhere may be None.
-    """
-    # logits [S, V] (temperature already applied); top_k [S] (-1 = off); top_p, min_p [S]
-    vocab_size = logits.shape[1]
-    if hints is None:
-        hints = filter_hints(top_k, top_p, min_p, vocab_size)
-    if hints.num_sort_rows > 0:
-        top_k = torch.where((top_k < 1) | (top_k > vocab_size), vocab_size, top_k)
-        rows = hints.sort_rows
-        sub, sub_k, sub_p = logits[rows], top_k[rows], top_p[rows]
-        num_candidates = min(vocab_size, max(_NUM_TOP_P_CANDIDATES, hints.max_k))
-        if hints.any_top_p and hints.exact_in_one_pass:
-            num_candidates = vocab_size
-        removed, is_exact = _top_k_top_p_removed(sub, sub_k, sub_p, num_candidates)
-        if num_candidates < vocab_size and not bool(is_exact.all()):
-            inexact = (~is_exact).nonzero().squeeze(1)
-            removed[inexact], _ = _top_k_top_p_removed(
-                sub[inexact], sub_k[inexact], sub_p[inexact], vocab_size
-            )
-        logits = logits.index_copy(0, rows, sub.masked_fill(removed, float("-inf")))
-    if hints.any_min_p:
-        # p < min_p * p_max  <=>  logit < max_logit + log(min_p)  (same normaliser)
-        max_logit = logits.max(-1, keepdim=True).values  # [S, 1]
-        removed = logits < max_logit + min_p.log()[:, None]
-        logits = logits.masked_fill(removed, float("-inf"))
-    return logits
+    num_prompt_tokens: int = 0
+    """`token_history[num_prompt_tokens:]` is the committed output (when history is filled,
+    it holds exactly `first_output_index` output tokens)."""
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    """`SamplingParams.bad_words`, each word as token ids (tokenized by the engine)."""
 
 
 @dataclass
 class SamplingPlan:
     """A sampling call as the host sees it before any logits exist.
 
-    `arrays` hold one entry per sampled position (greedy and sampled positions apart);
-    the flags decide the branches `Sampler.sample` takes without asking the device.
+    `arrays` hold one entry per sampled position (greedy and sampled positions apart), and
+    the sparse arrays of logits processing and top logprobs; the flags decide the branches
+    `Sampler.sample_positions` takes without asking the device.
     """
 
     drafts: list[list[int]]
@@ -297,34 +103,99 @@ class SamplingPlan:
     num_positions: int
     num_greedy: int
     num_sampled: int
-    any_penalty: bool
     any_temperature: bool
     num_sort_rows: int
     max_k: int
     any_top_p: bool
     any_min_p: bool
+    processing: LogitsProcessing = field(default_factory=LogitsProcessing)
+    num_top_logprobs: list[int] | None = None
+    """Each row's `logprobs` (-1: none); None when no row asks."""
+    max_top_logprobs: int = 0
+    """K: the most top logprobs a position of this call returns (min(max k, vocab))."""
+    num_top_positions: int = 0
+    """L: positions of rows that ask for top logprobs (in position order)."""
+    num_raw_positions: int = 0
+    """R: positions of rows that report raw logprobs."""
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class PositionLogprobs:
+    """A call's logprobs on the device, before its one copy to the host."""
+
+    logprobs: torch.Tensor
+    """[P] float32: each position's token under its row's reported distribution."""
+    ranks: torch.Tensor | None = None
+    """[L] int32, positions asking for top logprobs: 1 + tokens with a larger logprob."""
+    top_token_ids: torch.Tensor | None = None
+    """[L, K] int64: the K most likely tokens, most likely first."""
+    top_logprobs: torch.Tensor | None = None
+    """[L, K] float32: their logprobs."""
+
+
+def _top_logprob_arrays(
+    num_top: np.ndarray, is_raw: np.ndarray, counts: np.ndarray, position_is_greedy: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Where each position's reported distribution comes from (only called when some row asks
+    for top logprobs or reports raw ones). Per row: `num_top` its k (-1: none), `is_raw`
+    whether it reports raw logprobs, `counts` its positions.
+
+    - `greedy_top_dest`/`sampled_top_dest`: for the positions of the greedy / sampled part
+      whose processed distribution gives top logprobs, their index among the L asking
+      positions; `*_top_rows` their rows in the part (absent: the whole part, in order);
+    - `raw_positions` [R]: positions of rows reporting raw logprobs (absent when R = 0 or
+      R = P: `SamplingPlan.num_raw_positions` says which), `raw_top_rows` those of them that
+      ask for top logprobs (indices into R; absent: all), `raw_top_dest` their index in L.
+    """
+    asks, raw = np.repeat(num_top >= 0, counts), np.repeat(is_raw, counts)  # [P]
+    dest = np.cumsum(asks) - 1  # [P]: index among asking positions
+    arrays = {}
+    for part, in_part in (("greedy", position_is_greedy), ("sampled", ~position_is_greedy)):
+        chosen = np.flatnonzero(asks & ~raw & in_part)
+        if len(chosen):
+            arrays[f"{part}_top_dest"] = dest[chosen]
+            if len(chosen) < in_part.sum():
+                arrays[f"{part}_top_rows"] = (np.cumsum(in_part) - 1)[chosen]
+    raw_positions = np.flatnonzero(raw)
+    if 0 < len(raw_positions) < len(raw):
+        arrays["raw_positions"] = raw_positions
+    chosen = np.flatnonzero(asks[raw_positions])
+    if len(chosen):
+        arrays["raw_top_dest"] = dest[raw_positions[chosen]]
+        if len(chosen) < len(raw_positions):
+            arrays["raw_top_rows"] = chosen
+    return arrays
 
 
 class Sampler:
     """Samples (and verifies drafts) for every row of a step in one batched call.
 
     Logprobs are fp32 log-softmax values of the distribution actually sampled from: after
-    repetition penalty, temperature, top-k, top-p and min-p (removed tokens are -inf). For
-    greedy rows they are the log-softmax of the penalised logits at temperature 1.
+    logits processing, temperature, top-k, top-p and min-p (removed tokens are -inf). For
+    greedy rows they are the log-softmax of the processed logits at temperature 1. Rows
+    with `logprobs_mode="raw_logprobs"` report the model's raw log-softmax instead.
 
     Randomness: the token at output position i of a row is the inverse-CDF draw of
     `position_uniform(stream_seed, i)` (see `rejection_sampler`), so a seeded request's
     tokens do not depend on the batch, nor on drafting. Rows without a stream take a fresh
-    one from the sampler's default stream, in row order. Greedy rows draw nothing.
+    one from the sampler's default stream, in row order. Greedy rows draw nothing, and no
+    logits processing or logprobs option draws anything.
 
     `exact_in_one_pass` (default: on for GPUs) sorts top-p rows over the whole vocabulary
     instead of a partial sort with a fallback whose check would sync; the tokens are the same.
+    `eos_token_ids` are the model's EOS ids, which `min_tokens` masks.
     """
 
-    def __init__(self, seed: int = 0, exact_in_one_pass: bool | None = None) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        exact_in_one_pass: bool | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
         self._default_stream = random.Random(seed)
         self.exact_in_one_pass = exact_in_one_pass
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         """logits: [sum(len(drafts_i) + 1), vocab]; row i owns len(drafts_i) + 1 consecutive
@@ -347,15 +218,22 @@ class Sampler:
                 assert all(0 <= d < vocab_size for d in row.draft_token_ids), (
                     f"draft ids {row.draft_token_ids} outside the vocabulary of {vocab_size}"
                 )
+        # The last two columns: whether a row uses logits processing, top or raw logprobs
+        # (plain rows pay these flag checks only).
         columns = [
-            (p.temperature, p.top_k, p.top_p, p.min_p, p.is_greedy, p.repetition_penalty != 1.0)
-            for p in (row.params for row in rows)
+            (p.temperature, p.top_k, p.top_p, p.min_p, p.is_greedy,
+             p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+             or p.frequency_penalty != 0.0 or p.min_tokens > row.first_output_index
+             or p.allowed_token_ids is not None or bool(p.logit_bias or row.bad_words_token_ids),
+             p.logprobs is not None or p.logprobs_mode == _RAW_LOGPROBS)
+            for row in rows
+            for p in (row.params,)
         ]
-        temperature, top_k, top_p, min_p, greedy, penalised = (
+        temperature, top_k, top_p, min_p, greedy, processed, reports = (
             np.array(column, dtype=dtype).reshape(num_rows)
             for column, dtype in zip(
-                zip(*columns) if columns else [()] * 6,
-                (np.float32, np.int64, np.float32, np.float32, bool, bool),
+                zip(*columns) if columns else [()] * 7,
+                (np.float32, np.int64, np.float32, np.float32, bool, bool, bool),
             )
         )
         # Each sampled row's stream: its own, else a fresh one from the default stream.
@@ -382,13 +260,11 @@ class Sampler:
             stream_seeds[sampled_rows],
             first_index[sampled_rows] + offset_in_row[sampled_positions],
         )
-        any_penalty = bool(penalised.any())
         plan = SamplingPlan(
             drafts=[row.draft_token_ids for row in rows],
             num_positions=len(row_of_position),
             num_greedy=len(row_of_position) - len(sampled_positions),
             num_sampled=len(sampled_positions),
-            any_penalty=any_penalty,
             any_temperature=bool((temperature != 1.0).any()),
             num_sort_rows=len(filters.sort_rows),
             max_k=filters.max_k,
@@ -409,16 +285,46 @@ class Sampler:
                        "top_p": top_p[sampled_rows]}
         if plan.any_min_p:
             arrays["min_p"] = min_p[sampled_rows]
-        if any_penalty:
-            offsets = np.zeros(num_rows + 1, dtype=np.int64)
-            np.cumsum(counts, out=offsets[1:])
-            seen_positions, seen_tokens, penalty = repetition_penalty_arrays(
-                rows, offsets.tolist(), vocab_size
-            )
-            plan.arrays |= {
-                "seen_positions": seen_positions, "seen_tokens": seen_tokens, "penalty": penalty
-            }
+        if processed.any():
+            self._plan_processing(plan, rows, counts, np.flatnonzero(processed), vocab_size)
+        if reports.any():
+            self._plan_top_logprobs(plan, rows, counts, position_is_greedy, vocab_size)
         return plan
+
+    def _plan_processing(
+        self, plan: SamplingPlan, rows: list[SamplingRow], counts: np.ndarray,
+        used: np.ndarray, vocab_size: int,
+    ) -> None:
+        """Logits processing's arrays, built from the rows that use it (`used`)."""
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        used_rows = [rows[i] for i in used.tolist()]
+        used_offsets = [(offsets[i], offsets[i + 1]) for i in used.tolist()]
+        plan.processing, arrays = processing_arrays(
+            used_rows, used_offsets, vocab_size, self.eos_token_ids, plan.num_positions
+        )
+        plan.arrays |= arrays
+
+    @staticmethod
+    def _plan_top_logprobs(
+        plan: SamplingPlan, rows: list[SamplingRow], counts: np.ndarray,
+        position_is_greedy: np.ndarray, vocab_size: int,
+    ) -> None:
+        """Top and raw logprobs' arrays and sizes (some row asks for either)."""
+        num_rows = len(rows)
+        num_top = np.fromiter(
+            (-1 if row.params.logprobs is None else row.params.logprobs for row in rows),
+            np.int64, num_rows,
+        )
+        is_raw = np.fromiter(
+            (row.params.logprobs_mode == _RAW_LOGPROBS for row in rows), bool, num_rows
+        )
+        plan.arrays |= _top_logprob_arrays(num_top, is_raw, counts, position_is_greedy)
+        plan.num_raw_positions = int(counts[is_raw].sum())
+        if (num_top >= 0).any():
+            plan.num_top_logprobs = num_top.tolist()
+            plan.max_top_logprobs = min(int(num_top.max()), vocab_size)
+            plan.num_top_positions = int(counts[num_top >= 0].sum())
 
     def sample(
         self, logits: torch.Tensor, plan: SamplingPlan, tensors: dict[str, torch.Tensor]
@@ -431,14 +337,25 @@ class Sampler:
 
     @staticmethod
     def to_results(
-        token_ids: torch.Tensor, logprobs: torch.Tensor, plan: SamplingPlan
+        token_ids: torch.Tensor, logprobs: PositionLogprobs, plan: SamplingPlan
     ) -> list[SampleResult]:
-        """Bring a call's tokens and logprobs to the host (its one sync); accept drafts."""
-        # Token ids are exact in float64.
-        on_host = torch.stack((token_ids.double(), logprobs.double())).cpu()
-        return accept_matching_drafts(
-            on_host[0].long().tolist(), on_host[1].tolist(), plan.drafts
+        """Bring a call's tokens, logprobs and top logprobs to the host in one copy (its one
+        sync); accept drafts; give each row that asks one `TopLogprobs` per returned token."""
+        # Token ids and ranks are exact in float64.
+        parts = [token_ids.double(), logprobs.logprobs.double()]
+        if logprobs.ranks is not None:
+            parts += [logprobs.ranks.double(), logprobs.top_token_ids.double().reshape(-1),
+                      logprobs.top_logprobs.double().reshape(-1)]
+        on_host = torch.cat(parts).cpu()
+        num_positions = plan.num_positions
+        results = accept_matching_drafts(
+            on_host[:num_positions].long().tolist(),
+            on_host[num_positions : 2 * num_positions].tolist(),
+            plan.drafts,
         )
+        if logprobs.ranks is not None:
+            _attach_top_logprobs(results, on_host[2 * num_positions :], plan)
+        return results
 
     def sample_positions(
         self,
@@ -446,52 +363,93 @@ class Sampler:
         plan: SamplingPlan,
         tensors: dict[str, torch.Tensor],
         token_bitmask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's token and its logprob at every position, on the device, no sync:
-        [num_positions] int64 and float32 (row i's positions are consecutive).
+    ) -> tuple[torch.Tensor, PositionLogprobs]:
+        """The target's token at every position and the logprobs to report, on the device, no
+        sync: [num_positions] int64 (row i's positions are consecutive) and `PositionLogprobs`.
 
         `token_bitmask` ([num_positions, >= ceil(vocab / 32)] int32, structured outputs)
         removes the tokens a grammar forbids before anything else, so logprobs are those of the
-        constrained distribution. A position whose mask allows no token of the vocabulary (the
-        grammar dead-ended) yields NO_ALLOWED_TOKEN_ID with logprob -inf: never a token."""
+        constrained distribution. A position whose masks (bitmask, allowed ids, bad words,
+        min_tokens) allow no token of the vocabulary yields NO_ALLOWED_TOKEN_ID with logprob
+        -inf: never a token."""
         assert logits.dim() == 2 and logits.shape[0] == plan.num_positions, (
             f"expected logits of shape [{plan.num_positions}, vocab], got {tuple(logits.shape)}"
         )
-        logits = logits.float()
-        no_token = None
-        if token_bitmask is not None:
-            allowed = allowed_tokens(token_bitmask, logits.shape[1], logits.device)  # [P, V]
-            no_token = ~allowed.any(-1)  # [P]
-            # A dead-ended row stays unmasked: all -inf would put NaNs through the softmax,
-            # and its result is replaced below anyway.
-            logits = logits.masked_fill(~allowed & ~no_token[:, None], float("-inf"))
-        if plan.any_penalty:
-            logits = penalise(
-                logits, tensors["seen_positions"], tensors["seen_tokens"], tensors["penalty"]
-            )
-        parts = []  # (positions or None for all, token ids, logprobs)
+        raw_logits = logits.float()  # [P, V]; never modified in place
+        logits, no_token = process_logits(raw_logits, plan.processing, tensors, token_bitmask)
+        parts = {}  # part -> (positions or None for all, token ids, logprobs, distribution)
         if plan.num_greedy:
             greedy = self._rows(logits, tensors.get("greedy_positions"), plan.num_greedy)
             token_ids = greedy.argmax(-1)  # [G]
-            logprobs = greedy.log_softmax(-1).gather(1, token_ids[:, None]).squeeze(1)
-            parts.append((tensors.get("greedy_positions"), token_ids, logprobs))
+            distribution = greedy.log_softmax(-1)  # [G, V]
+            parts["greedy"] = (tensors.get("greedy_positions"), token_ids,
+                               distribution.gather(1, token_ids[:, None]).squeeze(1),
+                               distribution)
         if plan.num_sampled:
-            logprobs = self._processed_logprobs(logits, plan, tensors)  # [S, V]
-            token_ids = inverse_cdf_sample(logprobs.exp(), tensors["uniforms"])  # [S]
-            parts.append((tensors.get("sampled_positions"), token_ids,
-                          logprobs.gather(1, token_ids[:, None]).squeeze(1)))
+            distribution = self._processed_logprobs(logits, plan, tensors)  # [S, V]
+            token_ids = inverse_cdf_sample(distribution.exp(), tensors["uniforms"])  # [S]
+            parts["sampled"] = (tensors.get("sampled_positions"), token_ids,
+                                distribution.gather(1, token_ids[:, None]).squeeze(1),
+                                distribution)
         if len(parts) == 1:
-            token_ids, logprobs = parts[0][1], parts[0][2]
+            _, token_ids, logprobs, _ = next(iter(parts.values()))
         else:
             token_ids = logits.new_empty(plan.num_positions, dtype=torch.int64)
             logprobs = logits.new_empty(plan.num_positions)
-            for positions, ids, lps in parts:
+            for positions, ids, lps, _ in parts.values():
                 token_ids.index_copy_(0, positions, ids)
                 logprobs.index_copy_(0, positions, lps)
+        reported = PositionLogprobs(logprobs)
+        if plan.num_raw_positions or plan.num_top_positions:
+            reported = self._reported_logprobs(raw_logits, parts, token_ids, logprobs, plan,
+                                               tensors)
         if no_token is not None:
             token_ids = token_ids.masked_fill(no_token, NO_ALLOWED_TOKEN_ID)
-            logprobs = logprobs.masked_fill(no_token, float("-inf"))
-        return token_ids, logprobs
+            reported.logprobs = reported.logprobs.masked_fill(no_token, float("-inf"))
+        return token_ids, reported
+
+    @staticmethod
+    def _reported_logprobs(
+        raw_logits: torch.Tensor,
+        parts: dict[str, tuple],
+        token_ids: torch.Tensor,
+        logprobs: torch.Tensor,
+        plan: SamplingPlan,
+        tensors: dict[str, torch.Tensor],
+    ) -> PositionLogprobs:
+        """Raw logprobs for the rows that report them, and the rank and top-K of every
+        position that asks, each of the distribution its row reports."""
+        sources = []  # (distribution [n, V], token ids [n], index among asking positions [n])
+        for part in ("greedy", "sampled"):
+            if f"{part}_top_dest" in tensors:
+                _, ids, _, distribution = parts[part]
+                sources.append(_source(distribution, ids, tensors.get(f"{part}_top_rows"),
+                                       tensors[f"{part}_top_dest"]))
+        if plan.num_raw_positions:
+            positions = tensors.get("raw_positions")  # None: every position
+            raw_rows = Sampler._rows(raw_logits, positions, plan.num_raw_positions)
+            distribution = raw_rows.log_softmax(-1)  # [R, V]
+            ids = token_ids if positions is None else token_ids.index_select(0, positions)
+            raw = distribution.gather(1, ids[:, None]).squeeze(1)  # [R]
+            logprobs = raw if positions is None else logprobs.index_copy(0, positions, raw)
+            if "raw_top_dest" in tensors:
+                sources.append(_source(distribution, ids, tensors.get("raw_top_rows"),
+                                       tensors["raw_top_dest"]))
+        if not plan.num_top_positions:
+            return PositionLogprobs(logprobs)
+        num_top, k = plan.num_top_positions, plan.max_top_logprobs
+        ranks = token_ids.new_empty(num_top, dtype=torch.int32)  # [L]
+        top_ids = token_ids.new_empty(num_top, k)  # [L, K]
+        top_logprobs = raw_logits.new_empty(num_top, k)  # [L, K]
+        for distribution, ids, dest in sources:
+            token_logprob = distribution.gather(1, ids[:, None])  # [n, 1]
+            num_larger = (distribution > token_logprob).sum(-1, dtype=torch.int32)  # [n]
+            ranks.index_copy_(0, dest, num_larger + 1)
+            if k:
+                values, indices = distribution.topk(k, dim=-1)  # [n, K], most likely first
+                top_ids.index_copy_(0, dest, indices)
+                top_logprobs.index_copy_(0, dest, values)
+        return PositionLogprobs(logprobs, ranks, top_ids, top_logprobs)
 
     @staticmethod
     def _rows(
@@ -523,3 +481,44 @@ class Sampler:
             scaled, tensors.get("top_k"), tensors.get("top_p"), tensors.get("min_p"), hints
         )
         return filtered.log_softmax(-1)
+
+
+def _source(
+    distribution: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor | None,
+    dest: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of a part that give top logprobs (None: all of them, no copy)."""
+    if rows is None:
+        return distribution, token_ids, dest
+    return distribution.index_select(0, rows), token_ids.index_select(0, rows), dest
+
+
+def _attach_top_logprobs(
+    results: list[SampleResult], packed: torch.Tensor, plan: SamplingPlan
+) -> None:
+    """Per returned token of each asking row: the token first (its logprob and rank), then
+    its row's k most likely tokens (ranks 1..k). `packed` holds ranks [L], then top ids
+    [L, K], then top logprobs [L, K] (float64, on the host). A dead-ended position's entry is
+    NO_ALLOWED_TOKEN_ID alone, logprob -inf, rank 0 (no token of the vocabulary)."""
+    num_top, k_max = plan.num_top_positions, plan.max_top_logprobs
+    ranks = packed[:num_top].long().tolist()
+    top_ids = packed[num_top : num_top * (1 + k_max)].long().tolist()
+    top_logprobs = packed[num_top * (1 + k_max) :].tolist()
+    cursor = 0
+    for result, k, drafts in zip(results, plan.num_top_logprobs, plan.drafts):
+        if k < 0:
+            continue
+        k = min(k, k_max)
+        entries = []
+        for j, (token_id, logprob) in enumerate(zip(result.token_ids, result.logprobs)):
+            if token_id == NO_ALLOWED_TOKEN_ID:
+                entries.append(TopLogprobs([token_id], [logprob], [0]))
+                continue
+            begin = (cursor + j) * k_max
+            entries.append(TopLogprobs(
+                token_ids=[token_id] + top_ids[begin : begin + k],
+                logprobs=[logprob] + top_logprobs[begin : begin + k],
+                ranks=[ranks[cursor + j]] + list(range(1, k + 1)),
+            ))
+        result.top_logprobs = entries
+        cursor += len(drafts) + 1

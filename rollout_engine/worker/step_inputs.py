@@ -8,6 +8,7 @@ one copy (`HostStaging`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from itertools import chain
@@ -16,7 +17,9 @@ import numpy as np
 import torch
 
 from kernels import AttentionMetadata
+from rollout_engine.worker.logits_processing import needs_history
 from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
+from rollout_engine.worker.prompt_logprobs import PromptLogprobsJob, prompt_logprobs_jobs
 from rollout_engine.worker.ragged import index_within_runs
 from rollout_engine.worker.sampler import Sampler, SamplingPlan, SamplingRow, request_stream_seed
 from rollout_engine.worker.staging import HostStaging
@@ -45,6 +48,8 @@ class StepInputs:
     """Async scheduling: [R] rows of `input_ids` holding placeholders, to be filled with
     the previous step's sampled tokens at `patch_rows` (on the device, before the forward)."""
     patch_rows: torch.Tensor | None = None
+    prompt_logprobs_jobs: list[PromptLogprobsJob] = dataclasses.field(default_factory=list)
+    """Requests asking for prompt logprobs: which rows predict which prompt tokens."""
 
     @functools.cached_property
     def last_positions(self) -> dict[str, int]:
@@ -98,8 +103,8 @@ def logits_rows(scheduled: list[StepRequest], query_start_loc: np.ndarray) -> np
 def sampling_row(req: StepRequest) -> SamplingRow:
     params = req.sampling_params
     history: list[int] = []
-    if params.repetition_penalty != 1.0:
-        history = req.token_ids
+    if needs_history(params, req.bad_words_token_ids):
+        history = req.token_ids  # the request's own list, read-only (no copy)
     drafts = req.input_token_ids[len(req.input_token_ids) - req.num_spec_tokens :]
     seed = params.seed
     return SamplingRow(
@@ -108,6 +113,8 @@ def sampling_row(req: StepRequest) -> SamplingRow:
         token_history=history,
         draft_token_ids=drafts if req.num_spec_tokens else [],
         first_output_index=req.num_output_tokens,
+        num_prompt_tokens=req.num_prompt_tokens,
+        bad_words_token_ids=req.bad_words_token_ids,
     )
 
 
@@ -171,4 +178,5 @@ def build_step_inputs(
         and all(q == 1 for q in query_lens),
         patch_positions=on_device.get("patch_positions"),
         patch_rows=on_device.get("patch_rows"),
+        prompt_logprobs_jobs=prompt_logprobs_jobs(scheduled, arrays["query_start_loc"]),
     )

@@ -142,6 +142,11 @@ class Worker:
             return KVCacheSpec(block_size, self.dtype, tuple(model.layer_kv_specs))
         return KVCacheSpec.from_model(hf_config, block_size, self.dtype, self.tp.size)
 
+    def set_eos_token_ids(self, eos_token_ids: Sequence[int]) -> None:
+        """The model's EOS ids (the engine reads them with the tokenizer): `min_tokens` masks
+        them while sampling."""
+        self.model_runner.sampler.eos_token_ids = tuple(eos_token_ids)
+
     def check_ready(self) -> None:
         """EngineSleepingError saying what to call, unless weights and KV cache are ready."""
         self.memory.check_ready()

@@ -233,7 +233,7 @@ def test_save_copies_exactly_the_prompt_kv_the_blocks_hold(tiny_model_dirs):
     (handle,) = prefill(llm, [prompt])
     saved = llm.engine.kv_transfer.store.pop(handle.transfer_id)
     kv = llm.engine.worker.model_runner.kv_caches
-    num_layers, (num_blocks, _, num_kv_heads, head_dim) = len(kv), kv[0][0].shape
+    num_layers, (_, _, num_kv_heads, head_dim) = len(kv), kv[0][0].shape
     # Per layer its keys, then its values, each [num_tokens, Hkv, D].
     saved = saved.view(num_layers, 2, len(prompt) - 1, num_kv_heads, head_dim)
     # The prefix cache still holds the prompt's full blocks: compare with them directly.

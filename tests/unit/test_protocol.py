@@ -24,9 +24,11 @@ from rollout_engine.protocol import (
     InvalidRequestError,
     MemoryState,
     SamplingParams,
+    ScoreOutput,
     SleepLevel,
     StructuredOutputsParams,
     TagMemoryState,
+    TopLogprobs,
     error_from_status,
 )
 from rollout_engine.wire_codec import from_message, to_message
@@ -39,6 +41,8 @@ WIRE_TYPES = [
     (MemoryState, pb.GetMemoryStateResponse),
     (EngineInfo, pb.GetInfoResponse),
     (StructuredOutputsParams, pb.StructuredOutputsParams),
+    (TopLogprobs, pb.TopLogprobs),
+    (ScoreOutput, pb.ScoreOutput),
 ]
 TORCH_FREE_MODULES = [
     "rollout_engine",
@@ -133,8 +137,21 @@ def test_codec_round_trips_every_wire_type():
         constrained = SamplingParams(max_tokens=9, structured_outputs=constraint)
         message = to_message(constrained, pb.SamplingParams())
         assert from_message(message, SamplingParams) == constrained
+    sampling_surface = SamplingParams(
+        stop=["</answer>", "\n\nUser:"], include_stop_str_in_output=True, min_tokens=2,
+        presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={3: 1.5, 70000: -100.0},
+        allowed_token_ids=[1, 3, 5], bad_words=["no"], logprobs=5,
+        logprobs_mode="raw_logprobs", prompt_logprobs=0, truncate_prompt_tokens=100,
+        skip_special_tokens=False, spaces_between_special_tokens=False,
+    )
+    message = to_message(sampling_surface, pb.SamplingParams())
+    assert from_message(message, SamplingParams) == sampling_surface
     running = CompletionOutput(index=1, token_ids=[4, 5], logprobs=[-0.5, -1.0])
-    finished = dataclasses.replace(running, finish_reason="stop", text="hi", weight_version=3)
+    finished = dataclasses.replace(
+        running, finish_reason="stop", text="hi", weight_version=3, stop_str="</a>",
+        top_logprobs=[TopLogprobs([4, 4, 9], [-0.5, -0.5, -2.0], [1, 1, 2]),
+                      TopLogprobs([5, 2], [-1.0, -0.1], [3, 1])],
+    )
     for completion in (running, finished):
         message = to_message(completion, pb.CompletionOutput())
         assert from_message(message, CompletionOutput) == completion
@@ -151,11 +168,46 @@ def test_codec_round_trips_every_wire_type():
     )
     decoded = from_message(to_message(info, pb.GetInfoResponse()), EngineInfo)
     assert decoded == info and decoded.config == {"a": 1}
+    for score in (ScoreOutput([-0.5, -1.25], weight_version=2),
+                  ScoreOutput([-0.5], [TopLogprobs([4, 1], [-0.5, -0.25], [2, 1])], 3)):
+        assert from_message(to_message(score, pb.ScoreOutput()), ScoreOutput) == score
 
 
 def test_invalid_values_from_the_wire_are_refused_by_the_shared_type():
     with pytest.raises(InvalidRequestError, match="top_p"):
         from_message(pb.SamplingParams(top_p=0.0), SamplingParams)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"min_tokens": -1}, "min_tokens must be >= 0"),
+        ({"min_tokens": 5, "max_tokens": 4}, "must not exceed max_tokens"),
+        ({"stop": ["ok", ""]}, "non-empty strings"),
+        ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
+        ({"frequency_penalty": -3}, r"frequency_penalty must be in \[-2, 2\]"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias must map token ids"),
+        ({"allowed_token_ids": []}, "non-empty list"),
+        ({"bad_words": [" "]}, "bad_words must be non-empty"),
+        ({"logprobs": 21}, r"logprobs must be None or in \[0, 20\]"),
+        ({"prompt_logprobs": -1}, r"prompt_logprobs must be None or in \[0, 20\]"),
+        ({"logprobs_mode": "raw_logits"}, "logprobs_mode must be one of"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be None or >= 1"),
+    ],
+)
+def test_bad_sampling_surface_values_are_refused_with_the_reason(kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_surface_normalises_like_vllm():
+    params = SamplingParams(stop="</s>", bad_words="bad", logit_bias={7: 250})
+    assert params.stop == ["</s>"] and params.bad_words == ["bad"]
+    assert params.logit_bias == {7: 100.0}  # clamped to OpenAI's range
+    top = TopLogprobs([4, 4, 9], [-0.5, -0.5, -2.0], [1, 1, 2])
+    assert list(top.as_dict()) == [4, 9] and top.as_dict()[9].rank == 2
+    output = CompletionOutput(index=0, token_ids=[1], logprobs=[0.0], stop_token_id=1)
+    assert output.stop_reason == 1
 
 
 @pytest.mark.parametrize("name", sorted(ERROR_TYPES))

@@ -339,6 +339,63 @@ def test_a_stop_token_inside_accepted_drafts_discards_what_follows(
     assert "r" in scheduler.schedule().finished_request_ids
 
 
+class StopAtToken:
+    """A stand-in stop checker: "matches" when it reads `token` (the engine's decodes text)."""
+
+    def __init__(self, token: int, min_tokens: int = 0) -> None:
+        self.token, self.min_tokens, self.num_read = token, min_tokens, 0
+        self.stop_string: str | None = None
+
+    def accept(self, token_id: int) -> str | None:
+        self.num_read += 1
+        if token_id == self.token and self.num_read >= self.min_tokens:
+            self.stop_string = "</stop>"
+        return self.stop_string
+
+
+def test_a_stop_string_inside_accepted_drafts_ends_there_and_reads_every_token() -> None:
+    scheduler = make_scheduler(eos_token_ids=[EOS], num_speculative_tokens=3)
+    runner = FakeModelRunner(scheduler, num_accepted=3)
+    request = make_request("r", num_prompt_tokens=6, max_tokens=20)
+    request.stop_checker = checker = StopAtToken(6002)
+    scheduler.add_request(request)
+    run_step(scheduler, runner)
+    request.spec_token_ids = [6001, 6002, 6003]
+    run_step(scheduler, runner)
+    assert request.finish_reason == "stop" and request.stop_str == "</stop>"
+    assert request.output_token_ids == [token_for("r", 6), 6001, 6002]
+    assert checker.num_read == 3  # the token after the match is dropped, unread
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
+
+
+def test_before_min_tokens_only_the_length_stops_a_request() -> None:
+    scheduler = make_scheduler(eos_token_ids=[EOS])
+    runner = FakeModelRunner(scheduler, token_fn=eos_at("r", 8 + 1))
+    request = make_request("r", num_prompt_tokens=8, max_tokens=10, min_tokens=4)
+    scheduler.add_request(request)
+    run_until_done(scheduler, runner)  # the sampler masks EOS there; the ledger must not stop
+    assert request.finish_reason == "length" and request.output_token_ids[1] == EOS
+
+
+def test_prompt_logprobs_keep_the_prefix_cache_off_the_positions_asked_for() -> None:
+    """A prompt whose logprobs are asked for computes every position that predicts one, even
+    with its blocks cached; once they landed, a preempted request may hit the cache again."""
+    scheduler = make_scheduler()
+    runner = FakeModelRunner(scheduler)
+    first = make_request("first", num_prompt_tokens=16, max_tokens=2)
+    scheduler.add_request(first)
+    run_until_done(scheduler, runner)
+    asking = make_request("asking", first.prompt_token_ids, max_tokens=2)
+    asking.prompt_logprobs = [None] * 16
+    asking.prompt_logprobs_start = 9  # positions 9..15 (scoring a completion, say)
+    scheduler.add_request(asking)
+    output = scheduler.schedule()
+    # Positions 0..7 may come from the cache (they predict nothing asked for); not 8.
+    assert output.num_scheduled_tokens["asking"] == 16 - 8
+    asking.set_prompt_logprobs(9, [object()] * 7)
+    assert asking.max_prefix_hit_tokens == 16 - 1 + asking.num_output_tokens
+
+
 # ---------------------------------------------------------------- draft slots and budget
 def test_a_long_prompt_leaves_room_for_drafts() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=16, num_speculative_tokens=3)
