@@ -20,8 +20,10 @@ from rollout_engine.protocol import (
     RequestOutput,
     ResourceExhaustedError,
     SamplingParams,
+    ScoreOutput,
     SleepLevel,
     StructuredOutputsParams,
+    TopLogprobs,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -47,8 +49,10 @@ __all__ = [
     "RequestOutput",
     "ResourceExhaustedError",
     "SamplingParams",
+    "ScoreOutput",
     "SleepLevel",
     "StructuredOutputsParams",
+    "TopLogprobs",
     "UnauthenticatedError",
     "UnavailableError",
 ]

@@ -18,16 +18,20 @@ from protos import rollout_pb2_grpc as pb_grpc
 from rollout_engine.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ERROR_TYPE_KEY,
+    MAX_LOGPROBS,
     SERVICE_NAME,
     CompletionOutput,
     DeadlineExceededError,
     EngineError,
     EngineInfo,
+    InvalidRequestError,
     MemoryState,
     RequestOutput,
     SamplingParams,
+    ScoreOutput,
     SleepLevel,
     SleepMode,
+    TopLogprobs,
     error_from_status,
 )
 from rollout_engine.wire_codec import from_message, to_message
@@ -66,8 +70,9 @@ class EngineClient:
     """Generate, sleep/wake, update weights and inspect a `rollout-engine serve` process.
 
     Status codes come back as the typed exceptions of `rollout_engine.protocol`. Idempotent
-    calls (info, memory_state, sleep, wake_up, reset_prefix_cache, release_kv_cache_memory)
-    retry on UNAVAILABLE with exponential backoff; generate and update_weights do not.
+    calls (info, memory_state, score, sleep, wake_up, reset_prefix_cache,
+    release_kv_cache_memory) retry on UNAVAILABLE with exponential backoff; generate and
+    update_weights do not.
     """
 
     def __init__(
@@ -136,27 +141,25 @@ class EngineClient:
         cancel: CallCancel | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order (GenerateBatch; never retried). `cancel`
-        lets another thread end the call."""
+        lets another thread end the call. With `prompt_logprobs` set, each output carries
+        them (`RequestOutput.prompt_logprobs`, None for the first position)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        collected: dict[int, tuple[list[int], list[CompletionOutput]]] = {}
-        for index, prompt_token_ids, completion in self.iter_completions(
-            prompts, sampling_params, timeout, cancel
-        ):
-            entry = collected.setdefault(index, ([], []))
-            entry[0].extend(prompt_token_ids)
-            entry[1].append(completion)
+        collected: dict[int, RequestOutput] = {}
+        for item in self._iter_batch(prompts, sampling_params, timeout, cancel):
+            output = collected.setdefault(item.prompt_index, RequestOutput(
+                str(item.prompt_index), [], [], None,
+            ))
+            output.prompt_token_ids.extend(item.prompt_token_ids)
+            if item.prompt_logprobs:
+                output.prompt_logprobs = _prompt_logprobs(item.prompt_logprobs)
+            output.outputs.append(_completion(item.output))
         if len(collected) != len(prompts):
             raise EngineError("the server ended the stream before every prompt finished")
-        return [
-            RequestOutput(
-                request_id=str(i),
-                prompt_token_ids=collected[i][0],
-                outputs=sorted(collected[i][1], key=lambda c: c.index),
-                prompt=p if isinstance(p, str) else None,
-            )
-            for i, p in enumerate(prompts)
-        ]
+        for i, prompt in enumerate(prompts):
+            collected[i].prompt = prompt if isinstance(prompt, str) else None
+            collected[i].outputs.sort(key=lambda c: c.index)
+        return [collected[i] for i in range(len(prompts))]
 
     def iter_completions(
         self,
@@ -168,6 +171,16 @@ class EngineClient:
         """(prompt index, prompt token ids (with a prompt's first completion only), the
         completion) for each completion, as soon as its prompt's last sample finishes
         (GenerateBatch: the engine builds a prompt's output once, when it is final)."""
+        for item in self._iter_batch(prompts, sampling_params, timeout, cancel):
+            yield item.prompt_index, list(item.prompt_token_ids), _completion(item.output)
+
+    def _iter_batch(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        timeout: float | None,
+        cancel: CallCancel | None,
+    ) -> Iterator[pb.BatchCompletion]:
         request = pb.GenerateBatchRequest(prompts=[_prompt_proto(p) for p in prompts])
         if isinstance(sampling_params, Sequence):
             request.per_prompt_sampling_params.extend(_params_proto(p) for p in sampling_params)
@@ -180,8 +193,7 @@ class EngineClient:
             cancel.attach(call)
         try:
             for message in call:
-                for item in message.completions:
-                    yield item.prompt_index, list(item.prompt_token_ids), _completion(item.output)
+                yield from message.completions
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
         finally:
@@ -193,7 +205,9 @@ class EngineClient:
         sampling_params: SamplingParams | None = None,
         timeout: float | None = None,
     ) -> Iterator[RequestOutput]:
-        """Cumulative snapshots of one prompt's completions as tokens arrive (Generate).
+        """Cumulative snapshots of one prompt's completions as tokens arrive (Generate), with
+        their top logprobs (`logprobs`) and the prompt's logprobs (`prompt_logprobs`) as they
+        come.
 
         Closing the iterator early cancels the call, and the server frees its KV blocks."""
         request = pb.GenerateRequest(prompt=_prompt_proto(prompt),
@@ -205,13 +219,32 @@ class EngineClient:
             for message in call:
                 _apply_generate_response(snapshot, message)
                 yield dataclasses.replace(snapshot, outputs=[
-                    dataclasses.replace(o, token_ids=list(o.token_ids), logprobs=list(o.logprobs))
+                    dataclasses.replace(
+                        o, token_ids=list(o.token_ids), logprobs=list(o.logprobs),
+                        top_logprobs=None if o.top_logprobs is None else list(o.top_logprobs),
+                    )
                     for o in snapshot.outputs
                 ])
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
         finally:
             call.cancel()
+
+    # ---------------------------------------------------------------------------- scoring
+    def score(
+        self,
+        sequences: Sequence[Sequence[int]],
+        prompt_lens: Sequence[int],
+        logprobs: int | None = None,
+        timeout: float | None = None,
+    ) -> list[ScoreOutput]:
+        """The logprobs of each sequence's completion (its tokens from `prompt_lens[i]` on),
+        each given everything before it, under the model's raw distribution, with the top
+        `logprobs` tokens per position if set: no sampling (Score). One ScoreOutput per
+        sequence, in order; sequences that share a prompt share its KV."""
+        request = _score_request(sequences, prompt_lens, logprobs)
+        reply = self._retrying(self._stub.Score, request, timeout)
+        return [from_message(output, ScoreOutput) for output in reply.outputs]
 
     # --------------------------------------------------------------------- memory control
     def sleep(self, level: SleepLevel | int = 1, mode: SleepMode = "abort") -> int:
@@ -415,9 +448,36 @@ def _completion(message: pb.CompletionOutput) -> CompletionOutput:
     return from_message(message, CompletionOutput)
 
 
+def _prompt_logprobs(entries: Sequence[pb.TopLogprobs]) -> list[TopLogprobs | None]:
+    """Per prompt position; an empty entry (the first position) is None."""
+    return [from_message(e, TopLogprobs) if e.token_ids else None for e in entries]
+
+
+def _score_request(
+    sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], logprobs: int | None
+) -> pb.ScoreRequest:
+    """The message; values the wire cannot carry (negative, not ints) are refused here, the
+    rest by the server."""
+    values = [*prompt_lens, *([] if logprobs is None else [logprobs])]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise InvalidRequestError(
+            f"prompt_lens must be ints >= 1 and logprobs None or in [0, {MAX_LOGPROBS}]; got "
+            f"prompt_lens={list(prompt_lens)!r}, logprobs={logprobs!r}"
+        )
+    request = pb.ScoreRequest(
+        sequences=[pb.TokenIds(token_ids=[int(t) for t in s]) for s in sequences],
+        prompt_lens=list(prompt_lens),
+    )
+    if logprobs is not None:
+        request.logprobs = logprobs
+    return request
+
+
 def _apply_generate_response(snapshot: RequestOutput, message: pb.GenerateResponse) -> None:
     snapshot.request_id = message.request_id or snapshot.request_id
     snapshot.prompt_token_ids.extend(message.prompt_token_ids)
+    if message.prompt_logprobs:
+        snapshot.prompt_logprobs = _prompt_logprobs(message.prompt_logprobs)
     by_index = {o.index: o for o in snapshot.outputs}
     for delta in message.deltas:
         output = by_index.get(delta.index)
@@ -426,6 +486,10 @@ def _apply_generate_response(snapshot: RequestOutput, message: pb.GenerateRespon
             snapshot.outputs.append(output)
         output.token_ids.extend(delta.token_ids)
         output.logprobs.extend(delta.logprobs)
+        if delta.top_logprobs:
+            output.top_logprobs = (output.top_logprobs or []) + [
+                from_message(e, TopLogprobs) for e in delta.top_logprobs
+            ]
     for final in message.outputs:
         if final.index in by_index:
             snapshot.outputs.remove(by_index[final.index])

@@ -10,6 +10,8 @@
   ahead of the least-loaded one;
 - anything else goes to the least-loaded live engine (load = samples assigned).
 
+`score(sequences, prompt_lens)` places sequences the same way, those sharing a prompt together.
+
 An engine that stops answering (UNAVAILABLE, or its health check fails) is taken out, and the
 prompts it had not answered are sent again, whole, to the others. A dead engine is probed
 again before later calls; once it serves, it rejoins in the pool's state (put to sleep if the
@@ -41,9 +43,11 @@ from rollout_engine.protocol import (
     DeadlineExceededError,
     EngineError,
     EngineInfo,
+    InvalidRequestError,
     MemoryState,
     RequestOutput,
     SamplingParams,
+    ScoreOutput,
     SleepLevel,
     SleepMode,
     UnavailableError,
@@ -93,7 +97,8 @@ class _Call:
 
 
 class EnginePool:
-    """`generate`, memory and weight verbs over several `rollout-engine serve` processes."""
+    """`generate`, `score`, memory and weight verbs over several `rollout-engine serve`
+    processes."""
 
     def __init__(
         self,
@@ -198,7 +203,8 @@ class EnginePool:
                 continue
             if failure is not None:
                 continue
-            if not self._has_pool_weights(call, outputs):
+            versions = [c.weight_version for o in outputs for c in o.outputs]
+            if not self._has_pool_weights(call, versions):
                 pending += call.indices
                 continue
             for index, output in zip(call.indices, outputs):
@@ -209,23 +215,96 @@ class EnginePool:
             raise _naming_engine(*failure)
         return pending
 
-    def _has_pool_weights(self, call: _Call, outputs: list[RequestOutput]) -> bool:
-        """Whether every completion came from the weights of the pool's latest push; if the
-        engine answered with another version though no push came in between, it restarted
-        and generates nothing until the next push reaches it."""
+    def _has_pool_weights(self, call: _Call, weight_versions: list[int]) -> bool:
+        """Whether every answer (completion, score) came from the weights of the pool's
+        latest push; if the engine answered with another version though no push came in
+        between, it restarted and generates nothing until the next push reaches it."""
         member = call.member
         with self._lock:
             if call.weight_push != self._num_pushes or not self._can_generate(member):
                 return False  # a push went by while it generated
             expected = member.weight_version
-            if expected is None or all(
-                c.weight_version == expected for o in outputs for c in o.outputs
-            ):
+            if expected is None or all(v == expected for v in weight_versions):
                 return True
             member.weight_push = _STALE_PUSH
         logger.warning("engine %s answered with weight version other than %d (restarted?); "
                        "its prompts run elsewhere", member.address, expected)
         return False
+
+    # ---------------------------------------------------------------------------- scoring
+    def score(
+        self,
+        sequences: Sequence[Sequence[int]],
+        prompt_lens: Sequence[int],
+        logprobs: int | None = None,
+        timeout: float | None = None,
+    ) -> list[ScoreOutput]:
+        """One ScoreOutput per sequence, in order, as `EngineClient.score` returns. Sequences
+        that share a prompt go to one engine together (they share its KV), placed as
+        `generate` places prompts; an engine dying mid-call costs its sequences a second run
+        elsewhere."""
+        if len(sequences) != len(prompt_lens):
+            raise InvalidRequestError(
+                f"got {len(sequences)} sequences and {len(prompt_lens)} prompt_lens; one each"
+            )
+        groups: dict[tuple[int, ...], list[int]] = collections.defaultdict(list)
+        for i, (sequence, prompt_len) in enumerate(zip(sequences, prompt_lens)):
+            groups[tuple(sequence[:prompt_len])].append(i)
+        prompts = [list(prompt) for prompt in groups]
+        members = list(groups.values())
+        # Load is counted in samples: one per scored sequence.
+        loads = [SamplingParams(n=len(indices), max_tokens=1) for indices in members]
+        self._probe_dead_members()
+        self._check_weight_versions()
+        results: dict[int, ScoreOutput] = {}
+        pending = list(range(len(prompts)))
+        while pending:
+            assignment = self._assign(prompts, loads, pending)
+            rounds = {engine: [i for g in group_ids for i in members[g]]
+                      for engine, group_ids in assignment.items()}
+            try:
+                failed = self._run_score_round(rounds, sequences, prompt_lens, logprobs, timeout,
+                                               results)
+            finally:
+                self._release_all(assignment, loads)
+            pending = sorted(g for engine in failed for g in assignment[engine])
+        return [results[i] for i in range(len(sequences))]
+
+    def _run_score_round(self, rounds, sequences, prompt_lens, logprobs, timeout,
+                         results) -> list[int]:
+        """Score each engine's sequences; the engines whose sequences must run again."""
+        calls = {}
+        for member_index, indices in rounds.items():
+            member = self.members[member_index]
+            future = self._threads.submit(
+                member.client.score, [sequences[i] for i in indices],
+                [prompt_lens[i] for i in indices], logprobs, timeout,
+            )
+            calls[future] = (member_index, _Call(member, indices, CallCancel(), self._num_pushes))
+        failed: list[int] = []
+        failure: tuple[PoolMember, Exception] | None = None
+        for future in concurrent.futures.as_completed(calls):
+            member_index, call = calls[future]
+            try:
+                scores = future.result()
+            except (UnavailableError, DeadlineExceededError) as exc:
+                self._take_out(call.member, exc)
+                failed.append(member_index)
+                continue
+            except Exception as exc:  # noqa: BLE001 - raised once every call has settled
+                failure = failure or (call.member, exc)
+                continue
+            if not self._has_pool_weights(call, [o.weight_version for o in scores]):
+                failed.append(member_index)
+                continue
+            results.update(zip(call.indices, scores))
+        if failure is not None:
+            raise _naming_engine(*failure)
+        return failed
+
+    def _release_all(self, assignment: dict[int, list[int]], loads) -> None:
+        for member_index, indices in assignment.items():
+            self._release(self.members[member_index], loads, indices)
 
     def _can_generate(self, member: PoolMember) -> bool:
         return member.is_alive and member.weight_push == self._num_pushes

@@ -20,14 +20,18 @@ from the trainer into transport buckets one tensor at a time (`trainer_weights`)
 adapters are merged while they stream, and no copy of the model is made.
 
 Every generation setting of GRPOConfig is honoured or refused when the backend is built
-(`check_generation_settings`). With several trainer processes (`accelerate launch`), each
-process drives its own engine (one engine per device). Train in the engine's precision, or
-pass `weight_dtype="engine"` to cast as the weights are sent.
+(`check_generation_settings`): `generation_kwargs` takes every field of vLLM's SamplingParams
+the engine has (stop strings, min_tokens, penalties, logit_bias, allowed_token_ids, bad_words,
+`logprobs=k` for the top-k tokens per position, ...); the sampled token's logprob stays the
+processed one that the importance-sampling correction needs. With several trainer processes
+(`accelerate launch`), each process drives its own engine (one engine per device). Train in
+the engine's precision, or pass `weight_dtype="engine"` to cast as the weights are sent.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import weakref
 from collections.abc import Iterator, Sequence
@@ -36,7 +40,14 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from trl import GRPOTrainer
 
-from rollout_engine.protocol import EngineError, SamplingParams, SleepLevel, StructuredOutputsParams
+from rollout_engine.protocol import (
+    CompletionOutput,
+    EngineError,
+    InternalError,
+    SamplingParams,
+    SleepLevel,
+    StructuredOutputsParams,
+)
 from trainer_bridge.client import EngineClient
 from trainer_bridge.colocate import Colocation, StreamedWeights
 from trainer_bridge.trainer_weights import is_sharded, iter_policy_weights
@@ -45,9 +56,18 @@ if TYPE_CHECKING:
     from trainer_bridge.timeline import MemoryTimeline
 
 logger = logging.getLogger(__name__)
-# Keys of TRL's `generation_kwargs` the engine understands (as SamplingParams fields).
-_GENERATION_KWARGS = {"seed", "stop_token_ids", "ignore_eos", "top_k", "top_p", "min_p",
-                      "temperature", "repetition_penalty", "max_tokens"}
+# Keys of TRL's `generation_kwargs` (vLLM SamplingParams fields) that the backend sets itself or
+# that make no sense for a rollout, with the way out; every other SamplingParams field passes.
+_REFUSED_GENERATION_KWARGS = {
+    "n": "set GRPOConfig.num_generations instead",
+    "kv_transfer_params": "prefill-decode disaggregation goes through DisaggregatedClient",
+    "truncate_prompt_tokens": "the trainer computes its logprobs after the whole prompt, so "
+                              "completions sampled after a truncated one would not match; "
+                              "shorten the prompts in the dataset",
+}
+_GENERATION_KWARGS = frozenset(
+    f.name for f in dataclasses.fields(SamplingParams)
+) - _REFUSED_GENERATION_KWARGS.keys()
 # GRPOConfig fields that configure vLLM itself or another generation path: the engine's own
 # server options govern those, so anything but TRL's default is refused, with the way out.
 _REFUSED_UNLESS_DEFAULT = {
@@ -69,16 +89,66 @@ def check_generation_settings(args: Any) -> None:
         if value != default:
             raise ValueError(f"GRPOConfig.{name}={value!r} is not supported with the rollout "
                              f"engine ({why}); leave it at its default {default!r}")
-    unknown = sorted(set(getattr(args, "generation_kwargs", None) or {}) - _GENERATION_KWARGS)
-    if unknown:
-        raise ValueError(f"generation_kwargs {unknown} are not supported by the rollout engine; "
-                         f"supported: {sorted(_GENERATION_KWARGS)}")
+    _check_generation_kwargs(args)
     mode = getattr(args, "vllm_importance_sampling_mode", None)
     if (getattr(args, "loss_type", None) == "vespo"
             and getattr(args, "vllm_importance_sampling_correction", False)
             and mode not in ("token_truncate", "token_mask")):
         raise ValueError("VESPO loss requires `vllm_importance_sampling_mode` to be either "
                          f"'token_truncate' or 'token_mask'. Got: {mode}.")
+
+
+def _check_generation_kwargs(args: Any) -> None:
+    """Refuse the `generation_kwargs` the engine would not honour, naming them, and values it
+    would refuse at the first generation."""
+    kwargs = dict(getattr(args, "generation_kwargs", None) or {})
+    for name, why in _REFUSED_GENERATION_KWARGS.items():
+        if name in kwargs:
+            raise ValueError(f"generation_kwargs[{name!r}] is not supported with the rollout "
+                             f"engine: {why}")
+    unknown = sorted(set(kwargs) - _GENERATION_KWARGS)
+    if unknown:
+        raise ValueError(f"generation_kwargs {unknown} are not supported by the rollout engine; "
+                         f"supported: {sorted(_GENERATION_KWARGS)}")
+    if (kwargs.get("logprobs_mode", "processed_logprobs") != "processed_logprobs"
+            and getattr(args, "vllm_importance_sampling_correction", False)):
+        raise ValueError(
+            f"generation_kwargs['logprobs_mode']={kwargs['logprobs_mode']!r} with the "
+            "importance-sampling correction: the correction needs the logprobs of the "
+            "distribution each token was sampled from ('processed_logprobs', the default); "
+            "drop logprobs_mode or set vllm_importance_sampling_correction=False"
+        )
+    # A bad value is refused now, with the reason (max_tokens: min_tokens is checked against it).
+    probe = {"max_tokens": getattr(args, "max_completion_length", None) or 2**31 - 1,
+             **_engine_kwargs(kwargs)}
+    SamplingParams(**{k: v for k, v in probe.items() if v is not None})
+
+
+def _engine_kwargs(generation_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`generation_kwargs` as SamplingParams takes them: a `structured_outputs` dict (as
+    TRL passes it to vLLM) becomes StructuredOutputsParams."""
+    kwargs = dict(generation_kwargs)
+    if isinstance(kwargs.get("structured_outputs"), dict):
+        kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+    return kwargs
+
+
+def token_logprobs(completion: CompletionOutput) -> tuple[list[list[float]], list[list[int]]]:
+    """TRL's per-token (logprobs, logprob_token_ids) of a completion: the sampled token's
+    first (GRPOTrainer reads `[0]` as the sampled token's logprob), then, with
+    `SamplingParams.logprobs` set, the other top tokens, most likely first."""
+    token_ids, logprobs = completion.token_ids, completion.logprobs
+    if completion.top_logprobs is None:
+        return [[lp] for lp in logprobs], [[t] for t in token_ids]
+    if len(completion.top_logprobs) != len(token_ids):
+        raise InternalError(f"the engine returned {len(completion.top_logprobs)} top-logprob "
+                            f"entries for {len(token_ids)} tokens")
+    rows, id_rows = [], []
+    for token, logprob, top in zip(token_ids, logprobs, completion.top_logprobs):
+        others = [(t, lp) for t, lp in zip(top.token_ids[1:], top.logprobs[1:]) if t != token]
+        rows.append([logprob] + [lp for _, lp in others])
+        id_rows.append([token] + [t for t, _ in others])
+    return rows, id_rows
 
 
 class EngineGeneration:
@@ -142,9 +212,10 @@ class EngineGeneration:
         profiler: contextlib.AbstractContextManager | None = None,
     ) -> tuple[list[list[int]], list[list[int]], list[list[list[float]]], list[list[list[int]]]]:
         """(prompt_ids, completion_ids, logprobs, logprob_token_ids), one row per completion;
-        `logprobs[i][t][0]` is the sampled token's logprob under the processed distribution.
-        The engine stays awake afterwards: the next turn needs it, and `end_rollout` (the
-        trainer's next forward) puts it to sleep."""
+        `logprobs[i][t][0]` is the sampled token's logprob under the processed distribution,
+        followed, with `generation_kwargs["logprobs"]=k`, by the other top-k tokens' (most
+        likely first; `logprob_token_ids` names them). The engine stays awake afterwards: the
+        next turn needs it, and `end_rollout` (the trainer's next forward) puts it to sleep."""
         if images is not None and any(i is not None for i in images):
             raise NotImplementedError("the rollout engine serves text-only models; got images")
         if self.colocation.needs_weights:
@@ -170,8 +241,9 @@ class EngineGeneration:
             for completion in output.outputs:
                 prompt_ids.append(list(output.prompt_token_ids))
                 completion_ids.append(list(completion.token_ids))
-                logprobs.append([[lp] for lp in completion.logprobs])
-                token_ids.append([[t] for t in completion.token_ids])
+                rows, id_rows = token_logprobs(completion)
+                logprobs.append(rows)
+                token_ids.append(id_rows)
         assert len(completion_ids) == len(prompts), (len(completion_ids), len(prompts))
         return prompt_ids, completion_ids, logprobs, token_ids
 
@@ -207,10 +279,10 @@ class EngineGeneration:
             "repetition_penalty": args.repetition_penalty,
             "max_tokens": max_tokens,
         }
+        fields.update(_engine_kwargs(args.generation_kwargs or {}))
         regex = getattr(args, "vllm_structured_outputs_regex", None)
-        if regex:  # TRL's one structured-outputs setting, as vLLM applies it
+        if regex:  # TRL's one structured-outputs setting; as in TRL, it wins over the kwargs
             fields["structured_outputs"] = StructuredOutputsParams(regex=regex)
-        fields.update(args.generation_kwargs or {})
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
 
     def _check_dtype(self, weight_dtype: torch.dtype | str | None) -> None:

@@ -15,7 +15,10 @@ from rollout_engine.protocol import (
     MemoryState,
     RequestOutput,
     SamplingParams,
+    ScoreOutput,
+    TopLogprobs,
 )
+from rollout_engine.scoring import check_score_request
 from rollout_engine.wire_codec import from_message, to_message
 
 DTYPES: dict[str, torch.dtype] = {
@@ -60,6 +63,23 @@ def batch_sampling_params(request: pb.GenerateBatchRequest) -> list[SamplingPara
     return [sampling_params_from_proto(p) for p in request.per_prompt_sampling_params]
 
 
+def score_request_from_proto(
+    request: pb.ScoreRequest,
+) -> tuple[list[list[int]], list[int], int | None]:
+    """(sequences, prompt_lens, logprobs) of a Score call; InvalidRequestError for a bad one."""
+    sequences = [list(s.token_ids) for s in request.sequences]
+    prompt_lens = list(request.prompt_lens)
+    if not sequences:
+        raise InvalidRequestError("Score needs at least one sequence")
+    if len(sequences) != len(prompt_lens):
+        raise InvalidRequestError(
+            f"got {len(sequences)} sequences and {len(prompt_lens)} prompt_lens; one each"
+        )
+    for token_ids, prompt_len in zip(sequences, prompt_lens):
+        check_score_request(token_ids, prompt_len)
+    return sequences, prompt_lens, request.logprobs if request.HasField("logprobs") else None
+
+
 def weight_manifest_from_proto(
     manifest: pb.WeightManifest,
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -83,6 +103,15 @@ def completion_to_proto(completion: CompletionOutput) -> pb.CompletionOutput:
     return to_message(completion, pb.CompletionOutput())
 
 
+def prompt_logprobs_to_proto(entries: list[TopLogprobs | None]) -> list[pb.TopLogprobs]:
+    """Per prompt position; a position without logprobs (the first) is an empty message."""
+    return [pb.TopLogprobs() if e is None else to_message(e, pb.TopLogprobs()) for e in entries]
+
+
+def score_response(outputs: list[ScoreOutput]) -> pb.ScoreResponse:
+    return pb.ScoreResponse(outputs=[to_message(o, pb.ScoreOutput()) for o in outputs])
+
+
 class GenerateStreamState:
     """What one Generate stream has sent so far. The engine hands it DELTA outputs (or one
     FINAL_ONLY output); a sample's tokens are gathered here so that its final message carries
@@ -90,36 +119,58 @@ class GenerateStreamState:
 
     def __init__(self, stream_deltas: bool) -> None:
         self.stream_deltas = stream_deltas
-        self._token_ids: dict[int, list[int]] = {}
-        self._logprobs: dict[int, list[float]] = {}
+        self._sent: dict[int, CompletionOutput] = {}
+        """Per sample: its tokens, logprobs and top logprobs streamed so far."""
         self._finished: set[int] = set()
         self._sent_prompt = False
+        self._sent_prompt_logprobs = False
 
     def response(self, output: RequestOutput) -> pb.GenerateResponse | None:
         """The message for this step's output, or None when nothing is new."""
         message = pb.GenerateResponse(request_id=output.request_id)
         if not self._sent_prompt:
             message.prompt_token_ids.extend(output.prompt_token_ids)
+        if output.prompt_logprobs is not None and not self._sent_prompt_logprobs:
+            message.prompt_logprobs.extend(prompt_logprobs_to_proto(output.prompt_logprobs))
+            self._sent_prompt_logprobs = True
         for completion in output.outputs:
             if completion.index in self._finished:
                 continue
-            token_ids = self._token_ids.setdefault(completion.index, [])
-            logprobs = self._logprobs.setdefault(completion.index, [])
             if completion.finished:
                 self._finished.add(completion.index)
-                whole = dataclasses.replace(completion, token_ids=token_ids + completion.token_ids,
-                                            logprobs=logprobs + completion.logprobs)
-                message.outputs.append(completion_to_proto(whole))
+                message.outputs.append(completion_to_proto(self._whole(completion)))
                 continue
             if self.stream_deltas and completion.token_ids:
-                message.deltas.add(index=completion.index, token_ids=completion.token_ids,
-                                   logprobs=completion.logprobs)
-                token_ids += completion.token_ids
-                logprobs += completion.logprobs
-        if self._sent_prompt and not message.deltas and not message.outputs:
+                delta = message.deltas.add(index=completion.index,
+                                           token_ids=completion.token_ids,
+                                           logprobs=completion.logprobs)
+                for entry in completion.top_logprobs or ():
+                    to_message(entry, delta.top_logprobs.add())
+                self._append(completion)
+        if (self._sent_prompt and not message.deltas and not message.outputs
+                and not message.prompt_logprobs):
             return None
         self._sent_prompt = True
         return message
+
+    def _append(self, delta: CompletionOutput) -> None:
+        sent = self._sent.setdefault(delta.index, CompletionOutput(delta.index, [], []))
+        sent.token_ids += delta.token_ids
+        sent.logprobs += delta.logprobs
+        if delta.top_logprobs is not None:
+            sent.top_logprobs = (sent.top_logprobs or []) + delta.top_logprobs
+
+    def _whole(self, last: CompletionOutput) -> CompletionOutput:
+        """The finished sample, whole: what was streamed, then its last tokens."""
+        sent = self._sent.pop(last.index, None)
+        if sent is None:
+            return last
+        top_logprobs = last.top_logprobs
+        if sent.top_logprobs is not None:
+            top_logprobs = sent.top_logprobs + (top_logprobs or [])
+        return dataclasses.replace(last, token_ids=sent.token_ids + last.token_ids,
+                                   logprobs=sent.logprobs + last.logprobs,
+                                   top_logprobs=top_logprobs)
 
 
 class BatchStreamState:
@@ -140,6 +191,9 @@ class BatchStreamState:
                 )
                 if not sent:
                     item.prompt_token_ids.extend(output.prompt_token_ids)
+                    if output.prompt_logprobs is not None:
+                        entries = prompt_logprobs_to_proto(output.prompt_logprobs)
+                        item.prompt_logprobs.extend(entries)
                 sent.add(completion.index)
                 completions.append(item)
         return completions

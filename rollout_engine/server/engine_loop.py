@@ -9,7 +9,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -110,10 +110,15 @@ class EngineLoop:
         return await asyncio.wrap_future(self.submit(lambda: fn(*args)), loop=self._loop)
 
     async def add_requests(
-        self, requests: list[tuple[str, str | list[int], SamplingParams]], sink: OutputSink
+        self,
+        requests: list[tuple[str, str | list[int], SamplingParams]],
+        sink: OutputSink,
+        prompt_logprobs_from: Sequence[int] | None = None,
     ) -> None:
-        """Add all requests or none: if one is refused, those already added are aborted."""
-        await self.call(self._add_requests, requests, sink)
+        """Add all requests or none: if one is refused, those already added are aborted.
+        `prompt_logprobs_from`: per request, the first prompt position whose logprobs it asks
+        for (scoring); None: every position but the first."""
+        await self.call(self._add_requests, requests, sink, prompt_logprobs_from)
 
     def abort(self, request_ids: list[str]) -> None:
         """Fire and forget: safe from a cancelled handler's `finally`."""
@@ -212,7 +217,10 @@ class EngineLoop:
         self._is_stopping = True
 
     def _add_requests(
-        self, requests: list[tuple[str, str | list[int], SamplingParams]], sink: OutputSink
+        self,
+        requests: list[tuple[str, str | list[int], SamplingParams]],
+        sink: OutputSink,
+        prompt_logprobs_from: Sequence[int] | None,
     ) -> None:
         if self._drains:
             raise EngineSleepingError(
@@ -221,8 +229,11 @@ class EngineLoop:
             )
         added: list[str] = []
         try:
-            for request_id, prompt, sampling_params in requests:
-                self.engine.add_request(request_id, prompt, sampling_params, sink.output_kind)
+            for i, (request_id, prompt, sampling_params) in enumerate(requests):
+                options = {} if prompt_logprobs_from is None else {
+                    "prompt_logprobs_from": prompt_logprobs_from[i]}
+                self.engine.add_request(request_id, prompt, sampling_params, sink.output_kind,
+                                        **options)
                 added.append(request_id)
         except Exception:
             self.engine.abort_request(added)

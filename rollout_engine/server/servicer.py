@@ -11,12 +11,15 @@ from typing import TYPE_CHECKING, Any
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
 from rollout_engine.protocol import (
+    EngineSleepingError,
     InvalidRequestError,
     KVTransferError,
+    RequestOutput,
     RequestOutputKind,
     SleepLevel,
     check_sleep_mode,
 )
+from rollout_engine.scoring import score_output, score_params
 from rollout_engine.server import convert
 from rollout_engine.server.admission import Admission
 from rollout_engine.server.engine_loop import EngineLoop, OutputSink
@@ -86,6 +89,38 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
             finally:
                 if pending:
                     self.engine_loop.abort(sorted(pending))
+
+    # --------------------------------------------------------------------------- scoring
+    @unary
+    async def Score(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
+        sequences, prompt_lens, num_top = convert.score_request_from_proto(request)
+        params = score_params(num_top)
+        base_id = f"score-{next(self._ids)}"
+        request_ids = [f"{base_id}:{i}" for i in range(len(sequences))]
+        sink = OutputSink(RequestOutputKind.FINAL_ONLY)
+        outputs: dict[str, RequestOutput] = {}
+        async with self.admission.admit([params] * len(sequences)):
+            try:
+                await self.engine_loop.add_requests(
+                    [(rid, seq, params) for rid, seq in zip(request_ids, sequences)], sink,
+                    prompt_logprobs_from=prompt_lens,
+                )
+                while len(outputs) < len(request_ids):
+                    output = await sink.get()
+                    if output.finished:
+                        outputs[output.request_id] = output
+            finally:
+                if len(outputs) < len(request_ids):
+                    self.engine_loop.abort(sorted(set(request_ids) - set(outputs)))
+        if any(o.outputs[0].finish_reason == "abort" for o in outputs.values()):
+            raise EngineSleepingError(
+                "scoring was aborted by a sleep or a KV cache release while it ran; wake the "
+                "engine and score again"
+            )
+        return convert.score_response([
+            score_output(outputs[rid], prompt_len, num_top)
+            for rid, prompt_len in zip(request_ids, prompt_lens)
+        ])
 
     # ---------------------------------------------------------------------- memory control
     @unary

@@ -189,10 +189,18 @@ def test_generation_settings_the_engine_would_ignore_are_refused(name, tmp_path)
 
 
 def test_unknown_generation_kwargs_and_vespo_without_token_modes_are_refused(tmp_path):
-    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False,
-                      generation_kwargs={"structured_outputs": {"regex": "a"}})
-    with pytest.raises(ValueError, match="structured_outputs"):
-        check_generation_settings(args)
+    for kwargs, words in [({"best_of": 2}, "best_of"), ({"n": 4}, "num_generations"),
+                          ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
+                          ({"logprobs_mode": "raw_logprobs"}, "importance-sampling"),
+                          ({"logprobs": 21}, "logprobs"), ({"stop": [""]}, "stop")]:
+        args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False,
+                          generation_kwargs=kwargs)
+        with pytest.raises(ValueError, match=words):
+            check_generation_settings(args)
+    supported = {"structured_outputs": {"regex": "a"}, "stop": ["</a>"], "logprobs": 2,
+                 "min_tokens": 4, "presence_penalty": 0.5, "logit_bias": {3: 1.0}}
+    check_generation_settings(GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False,
+                                         max_completion_length=8, generation_kwargs=supported))
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, loss_type="vespo",
                       vllm_importance_sampling_mode="sequence_mask")
     with pytest.raises(ValueError, match="VESPO"):
