@@ -146,7 +146,7 @@ class Prompt(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class CompletionOutput(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "text", "weight_version", "kv_transfer_params", "top_logprobs", "stop_str", "stop_token_id")
+    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "text", "weight_version", "kv_transfer_params", "top_logprobs", "stop_str", "stop_token_id", "weight_versions")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class CompletionOutput(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_STR_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -167,7 +168,18 @@ class CompletionOutput(_message.Message):
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     stop_str: str
     stop_token_id: int
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., weight_version: _Optional[int] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    weight_versions: _containers.RepeatedCompositeFieldContainer[WeightVersionSpan]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., weight_version: _Optional[int] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ...) -> None: ...
+
+class WeightVersionSpan(_message.Message):
+    __slots__ = ("version", "start", "end")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    start: int
+    end: int
+    def __init__(self, version: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class CompletionDelta(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs", "top_logprobs")
@@ -268,12 +280,50 @@ class SleepRequest(_message.Message):
     def __init__(self, level: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class SleepResponse(_message.Message):
-    __slots__ = ("num_aborted_requests", "num_drained_requests")
+    __slots__ = ("num_aborted_requests", "num_drained_requests", "num_kept_requests")
     NUM_ABORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAINED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEPT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     num_aborted_requests: int
     num_drained_requests: int
-    def __init__(self, num_aborted_requests: _Optional[int] = ..., num_drained_requests: _Optional[int] = ...) -> None: ...
+    num_kept_requests: int
+    def __init__(self, num_aborted_requests: _Optional[int] = ..., num_drained_requests: _Optional[int] = ..., num_kept_requests: _Optional[int] = ...) -> None: ...
+
+class PauseGenerationRequest(_message.Message):
+    __slots__ = ("mode", "clear_cache")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_CACHE_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    clear_cache: bool
+    def __init__(self, mode: _Optional[str] = ..., clear_cache: _Optional[bool] = ...) -> None: ...
+
+class PauseGenerationResponse(_message.Message):
+    __slots__ = ("num_aborted_requests", "num_drained_requests", "num_kept_requests")
+    NUM_ABORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAINED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEPT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    num_aborted_requests: int
+    num_drained_requests: int
+    num_kept_requests: int
+    def __init__(self, num_aborted_requests: _Optional[int] = ..., num_drained_requests: _Optional[int] = ..., num_kept_requests: _Optional[int] = ...) -> None: ...
+
+class ResumeGenerationRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeGenerationResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsPausedRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsPausedResponse(_message.Message):
+    __slots__ = ("is_paused",)
+    IS_PAUSED_FIELD_NUMBER: _ClassVar[int]
+    is_paused: bool
+    def __init__(self, is_paused: _Optional[bool] = ...) -> None: ...
 
 class WakeUpRequest(_message.Message):
     __slots__ = ("tags",)

@@ -89,6 +89,21 @@ class RolloutEngineStub:
                 request_serializer=protos_dot_rollout__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=protos_dot_rollout__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.PauseGeneration = channel.unary_unary(
+                '/rollout.v1.RolloutEngine/PauseGeneration',
+                request_serializer=protos_dot_rollout__pb2.PauseGenerationRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.PauseGenerationResponse.FromString,
+                _registered_method=True)
+        self.ResumeGeneration = channel.unary_unary(
+                '/rollout.v1.RolloutEngine/ResumeGeneration',
+                request_serializer=protos_dot_rollout__pb2.ResumeGenerationRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.ResumeGenerationResponse.FromString,
+                _registered_method=True)
+        self.IsPaused = channel.unary_unary(
+                '/rollout.v1.RolloutEngine/IsPaused',
+                request_serializer=protos_dot_rollout__pb2.IsPausedRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.IsPausedResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutEngineServicer:
@@ -177,6 +192,27 @@ class RolloutEngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PauseGeneration(self, request, context):
+        """Stop scheduling at a step boundary (vLLM's pause_generation): "abort" ends what is in
+        flight, "wait" drains it, "keep" freezes it until ResumeGeneration (streams just wait).
+        Weight updates are allowed while paused in "keep" mode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeGeneration(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsPaused(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutEngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -234,6 +270,21 @@ def add_RolloutEngineServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=protos_dot_rollout__pb2.ScoreRequest.FromString,
                     response_serializer=protos_dot_rollout__pb2.ScoreResponse.SerializeToString,
+            ),
+            'PauseGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseGeneration,
+                    request_deserializer=protos_dot_rollout__pb2.PauseGenerationRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.PauseGenerationResponse.SerializeToString,
+            ),
+            'ResumeGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeGeneration,
+                    request_deserializer=protos_dot_rollout__pb2.ResumeGenerationRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.ResumeGenerationResponse.SerializeToString,
+            ),
+            'IsPaused': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsPaused,
+                    request_deserializer=protos_dot_rollout__pb2.IsPausedRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.IsPausedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -533,6 +584,87 @@ class RolloutEngine:
             '/rollout.v1.RolloutEngine/Score',
             protos_dot_rollout__pb2.ScoreRequest.SerializeToString,
             protos_dot_rollout__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutEngine/PauseGeneration',
+            protos_dot_rollout__pb2.PauseGenerationRequest.SerializeToString,
+            protos_dot_rollout__pb2.PauseGenerationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutEngine/ResumeGeneration',
+            protos_dot_rollout__pb2.ResumeGenerationRequest.SerializeToString,
+            protos_dot_rollout__pb2.ResumeGenerationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsPaused(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutEngine/IsPaused',
+            protos_dot_rollout__pb2.IsPausedRequest.SerializeToString,
+            protos_dot_rollout__pb2.IsPausedResponse.FromString,
             options,
             channel_credentials,
             insecure,

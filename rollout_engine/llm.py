@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from rollout_engine.config import EngineConfig
 from rollout_engine.llm_engine import LLMEngine
 from rollout_engine.protocol import (
+    EngineBusyError,
     InvalidRequestError,
     RequestOutput,
     RequestOutputKind,
@@ -51,6 +52,7 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order; `outputs[i].outputs[j]` is sample j."""
+        self._check_not_paused()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         params = _per_prompt_params(sampling_params, len(prompts))
@@ -83,6 +85,7 @@ class LLM:
             )
         for token_ids, prompt_len in zip(sequences, prompt_lens):
             check_score_request(token_ids, prompt_len)
+        self._check_not_paused()
         params = score_params(logprobs)
         request_ids = [f"score-{next(self._ids)}" for _ in sequences]
         try:
@@ -103,6 +106,16 @@ class LLM:
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         self.engine.wake_up(tags)
+
+    def pause_generation(self, mode: SleepMode = "abort", clear_cache: bool = True
+                         ) -> list[RequestOutput]:
+        return self.engine.pause_generation(mode, clear_cache)
+
+    def resume_generation(self) -> None:
+        self.engine.resume_generation()
+
+    def is_paused(self) -> bool:
+        return self.engine.is_paused()
 
     def release_kv_cache_memory(self) -> list[RequestOutput]:
         return self.engine.release_kv_cache_memory()
@@ -153,6 +166,13 @@ class LLM:
                         pending.discard(output.request_id)
                         bar.update(len(output.outputs))
         return [finished[rid] for rid in request_ids]
+
+    def _check_not_paused(self) -> None:
+        """Offline, nothing could resume a paused engine while `generate` waits for it."""
+        if self.engine.is_paused():
+            raise EngineBusyError(
+                "generation is paused (pause_generation); call resume_generation() first"
+            )
 
     def _drain(self) -> None:
         """Step until the requests we gave up on have reported their abort."""

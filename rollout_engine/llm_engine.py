@@ -60,7 +60,7 @@ class LLMEngine:
         self.memory_events = MemoryEventLog(config.memory_config.timeline_max_events)
         """Sleep, wake and weight-update events of this engine, with their timing."""
         self.worker = _worker_class(config)(
-            config, self.hf_config, max_model_len, self.memory_events, self.reset_prefix_cache
+            config, self.hf_config, max_model_len, self.memory_events, self._on_weight_update
         )
         self.worker.set_eos_token_ids(self.processor.eos_token_ids)
         self.limits = RuntimeLimits(
@@ -72,6 +72,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, config.speculative_config, self.limits
         )
+        self.scheduler.weight_version = self.weight_version
         spec_config = config.speculative_config
         self.async_scheduling = config.scheduler_config.async_scheduling
         self.drafter = None
@@ -197,6 +198,22 @@ class LLMEngine:
         )
 
     @property
+    def is_frozen(self) -> bool:
+        """Requests wait where they are: generation is paused, or the memory is asleep with
+        requests kept across the sleep. `step()` schedules nothing then."""
+        return self.scheduler.is_paused or not self.worker.is_ready
+
+    def can_make_progress(self) -> bool:
+        """Whether `step()` has work: steps in flight, outputs to hand out, or requests it may
+        schedule (the engine loop waits for commands otherwise, instead of spinning)."""
+        return (
+            self.executor.num_in_flight > 0
+            or bool(self._landed_outputs)
+            or self.output_processor.owes_outputs
+            or (len(self.output_processor) > 0 and not self.is_frozen)
+        )
+
+    @property
     def num_steps_in_flight(self) -> int:
         """Steps launched whose outputs have not landed (at most 2, under async scheduling)."""
         return self.executor.num_in_flight
@@ -230,7 +247,9 @@ class LLMEngine:
             updated, landed = self._land(), True
         outputs = self._landed_outputs + self.output_processor.outputs(updated, self.weight_version)
         self._landed_outputs = []
-        if not (launched or landed or outputs) and self.has_unfinished_requests():
+        if not (launched or landed or outputs) and self.has_unfinished_requests() and (
+            not self.is_frozen
+        ):
             self._wait_for_progress()
         return outputs
 
@@ -249,6 +268,8 @@ class LLMEngine:
         """Schedule a step if there is room in flight; launch it unless it is empty."""
         if self.executor.is_full or not self.scheduler.has_unfinished_requests():
             return False
+        if not self.worker.is_ready and not self.scheduler.is_paused:
+            return False  # asleep with requests kept: no step may run until the memory is back
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.kv_loads:
             self.kv_connector.start(scheduler_output.kv_loads)
@@ -395,16 +416,57 @@ class LLMEngine:
     def sleep(self, level: int = 1, mode: SleepMode = "abort") -> list[RequestOutput]:
         """Release memory. Level 1: weights to a host backup, KV discarded; level 2: both discarded.
 
-        In-flight requests are first aborted ("abort") or run to completion ("wait"); their
-        final outputs are returned.
+        In-flight requests are first aborted ("abort") or run to completion ("wait"), and their
+        final outputs returned; or kept ("keep"): frozen, their KV dropped with the pool, they
+        go on (their KV recomputed from their tokens) once the engine is awake with valid
+        weights again, whatever weights those are.
         """
         level, mode = SleepLevel.parse(level), check_sleep_mode(mode)
         with self.memory_events.span("engine_sleep", level=int(level), mode=mode):
-            outputs = self._end_requests(mode)
-            self._land_all()
+            if mode == "keep":
+                outputs = []
+                self._land_all()
+                self.scheduler.preempt_all_running()
+            else:
+                outputs = self._end_requests(mode)
+                self._land_all()
             self.worker.sleep(level)
             self.reset_prefix_cache()
         return outputs
+
+    # ------------------------------------------------------------------ pause
+    def pause_generation(self, mode: SleepMode = "abort", clear_cache: bool = True
+                         ) -> list[RequestOutput]:
+        """Stop scheduling at a step boundary (vLLM's `pause_generation`): "abort" ends what
+        is in flight, "wait" drains it first (their final outputs are returned), "keep"
+        freezes it. Kept requests are, in ledger terms, preempted by recompute when
+        `clear_cache` (their KV and the prefix cache dropped: recomputed on resume with the
+        weights then loaded), or running requests that are not scheduled when not (their KV,
+        from the weights of before, stays: an approximation). New requests queue until
+        `resume_generation()`; `update_weights` is allowed while paused.
+        """
+        mode = check_sleep_mode(mode)
+        outputs = [] if mode == "keep" else self._end_requests(mode)
+        self._land_all()  # returns once no step runs; nothing is scheduled after this
+        self.scheduler.is_paused = True
+        if mode == "keep" and clear_cache:
+            self.scheduler.preempt_all_running()
+            self.reset_prefix_cache()
+        return outputs
+
+    def resume_generation(self) -> None:
+        """Schedule again: kept requests go on where they were."""
+        self.scheduler.is_paused = False
+
+    def is_paused(self) -> bool:
+        return self.scheduler.is_paused
+
+    def _check_not_paused_for(self, mode: SleepMode) -> None:
+        if mode == "wait" and self.scheduler.is_paused:
+            raise EngineBusyError(
+                "generation is paused: its requests cannot drain; sleep with mode 'keep' or "
+                "'abort', or resume_generation() first"
+            )
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Map the named pools ("weights", "kv_cache"; all by default) again at the same addresses.
@@ -432,6 +494,12 @@ class LLMEngine:
         """Forget every cached prefix; later requests recompute their prompts."""
         self.scheduler.reset_prefix_cache()
 
+    def _on_weight_update(self) -> None:
+        """A weight update completed: cached prefixes are stale, and the tokens the next steps
+        commit are the new version's."""
+        self.reset_prefix_cache()
+        self.scheduler.weight_version = self.weight_version
+
     def memory_state(self) -> MemoryState:
         return self.worker.memory_state()
 
@@ -439,6 +507,7 @@ class LLMEngine:
         """Abort or drain every unfinished prompt; their final outputs, in arrival order (a
         DELTA prompt's drain outputs all, its deltas before its final one: none is lost)."""
         group_ids = self.output_processor.group_ids
+        self._check_not_paused_for(mode)
         if mode == "abort":
             self.abort_request(group_ids)
             return self.output_processor.final_outputs(group_ids, self.weight_version)
@@ -470,6 +539,8 @@ class LLMEngine:
 
     def _check_no_generation(self) -> None:
         self._land_all()  # a step in flight for a finished request still reads the weights
+        if self.is_frozen:  # paused or asleep: kept requests go on with the new weights
+            return
         num_generating = self.output_processor.num_generating()
         if num_generating:
             raise EngineBusyError(

@@ -18,6 +18,7 @@ from rollout_engine.protocol import (
     RequestOutputKind,
     SamplingParams,
     TopLogprobs,
+    WeightVersionSpan,
 )
 
 
@@ -89,6 +90,11 @@ class OutputProcessor:
     def group_ids_of(self, child_ids: Iterable[str]) -> list[str]:
         """The groups of these requests, each once, in order."""
         return list(dict.fromkeys(self._group_of[c] for c in child_ids if c in self._group_of))
+
+    @property
+    def owes_outputs(self) -> bool:
+        """Aborted prompts whose final output the next `outputs()` hands out."""
+        return bool(self._aborted)
 
     def num_generating(self) -> int:
         """Prompts with a request still generating (not finished, not aborted)."""
@@ -181,4 +187,7 @@ class OutputProcessor:
                           if params.logprobs is not None else None),
             stop_str=request.stop_str,
             stop_token_id=request.stop_token_id,
+            # Copies: the request's last span grows after this output is handed out.
+            weight_versions=[WeightVersionSpan(s.version, s.start, s.end)
+                             for s in request.weight_versions],
         )

@@ -30,9 +30,11 @@ MEMORY_TAGS: tuple[str, ...] = (WEIGHTS_TAG, KV_CACHE_TAG)
 """The engine's memory pools, in the order they are created and woken."""
 
 FinishReason = Literal["stop", "length", "abort"]
-SleepMode = Literal["abort", "wait"]
-"""What sleep does to in-flight requests: end them with finish reason "abort", or drain them."""
-SLEEP_MODES: tuple[str, ...] = ("abort", "wait")
+SleepMode = Literal["abort", "wait", "keep"]
+"""What sleep and pause do to in-flight requests (vLLM's modes): end them with finish reason
+"abort", drain them ("wait"), or freeze them ("keep"): they resume where they were, their KV
+recomputed from their tokens unless a pause keeps it (`clear_cache=False`)."""
+SLEEP_MODES: tuple[str, ...] = ("abort", "wait", "keep")
 
 # Temperatures below this are treated as greedy decoding.
 GREEDY_EPSILON = 1e-5
@@ -82,7 +84,7 @@ class SleepLevel(enum.IntEnum):
 
 def check_sleep_mode(mode: object) -> SleepMode:
     if mode not in SLEEP_MODES:
-        raise InvalidRequestError(f"sleep mode must be 'abort' or 'wait', got {mode!r}")
+        raise InvalidRequestError(f"mode must be 'abort', 'wait' or 'keep', got {mode!r}")
     return mode  # type: ignore[return-value]
 
 
@@ -571,6 +573,15 @@ class TopLogprobs:
 
 
 @dataclass
+class WeightVersionSpan:
+    """Output tokens [start, end) of a completion were sampled by weight version `version`."""
+
+    version: int
+    start: int
+    end: int
+
+
+@dataclass
 class CompletionOutput:
     """One completion of a prompt."""
 
@@ -583,7 +594,7 @@ class CompletionOutput:
     """None while the completion is still being generated."""
     text: str = ""
     weight_version: int = 0
-    """The weight version that produced this completion."""
+    """The weight version that produced this completion's latest tokens."""
     kv_transfer_params: KVTransferParams | None = None
     """A prefill for a remote decode: the handle of the prompt's KV, to pass to the decode
     engine (None if saving it failed: the decode engine then computes the prompt)."""
@@ -593,6 +604,10 @@ class CompletionOutput:
     """The stop string that ended the completion (finish reason "stop")."""
     stop_token_id: int | None = None
     """The `stop_token_ids` entry that ended the completion (not for EOS)."""
+    weight_versions: list[WeightVersionSpan] = field(default_factory=list)
+    """Which weight version sampled which output tokens, over the whole completion so far: one
+    span unless the request was kept across a weight update (pause or sleep in "keep" mode).
+    Each logprob is the one of the weights that sampled its token."""
 
     @property
     def finished(self) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 import typing
 from typing import Any, TypeVar
 
@@ -79,7 +80,9 @@ def _is_map(descriptor: Any) -> bool:
 
 
 def _without_none(hint: Any) -> Any:
-    """`X` of `X | None`; other hints as they are."""
+    """`X` of `X | None`; other hints (`list[X]` included) as they are."""
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return hint
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if len(args) == 1 else hint
 

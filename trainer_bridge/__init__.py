@@ -26,9 +26,11 @@ from rollout_engine.protocol import (
     TopLogprobs,
     UnauthenticatedError,
     UnavailableError,
+    WeightVersionSpan,
 )
 from trainer_bridge.client import EngineClient
 from trainer_bridge.disaggregated import DisaggregatedClient
+from trainer_bridge.partial_rollouts import PartialRollouts, RolloutBatch, RolloutGroup
 
 __all__ = [
     "CancelledError",
@@ -46,8 +48,11 @@ __all__ = [
     "KVTransferError",
     "KVTransferParams",
     "MemoryState",
+    "PartialRollouts",
     "RequestOutput",
     "ResourceExhaustedError",
+    "RolloutBatch",
+    "RolloutGroup",
     "SamplingParams",
     "ScoreOutput",
     "SleepLevel",
@@ -55,4 +60,5 @@ __all__ = [
     "TopLogprobs",
     "UnauthenticatedError",
     "UnavailableError",
+    "WeightVersionSpan",
 ]

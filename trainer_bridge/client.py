@@ -71,7 +71,7 @@ class EngineClient:
 
     Status codes come back as the typed exceptions of `rollout_engine.protocol`. Idempotent
     calls (info, memory_state, score, sleep, wake_up, reset_prefix_cache,
-    release_kv_cache_memory) retry on UNAVAILABLE with exponential backoff; generate and
+    release_kv_cache_memory, pause_generation, resume_generation, is_paused) retry on UNAVAILABLE with exponential backoff; generate and
     update_weights do not.
     """
 
@@ -249,9 +249,24 @@ class EngineClient:
     # --------------------------------------------------------------------- memory control
     def sleep(self, level: SleepLevel | int = 1, mode: SleepMode = "abort") -> int:
         """Release memory (1: offload weights, drop KV; 2: drop both); returns the number of
-        requests aborted (mode "abort") or drained (mode "wait")."""
+        requests aborted (mode "abort"), drained ("wait") or kept across the sleep ("keep":
+        they go on, their KV recomputed, once the engine is awake with valid weights)."""
         reply = self._retrying(self._stub.Sleep, pb.SleepRequest(level=int(level), mode=mode))
-        return reply.num_aborted_requests + reply.num_drained_requests
+        return reply.num_aborted_requests + reply.num_drained_requests + reply.num_kept_requests
+
+    def pause_generation(self, mode: SleepMode = "abort", clear_cache: bool = True) -> int:
+        """Stop scheduling (vLLM's `pause_generation`): "abort" ends the requests in flight,
+        "wait" drains them, "keep" freezes them until `resume_generation()` (their streams
+        just wait; weights may be updated meanwhile). Returns how many it ended or kept."""
+        request = pb.PauseGenerationRequest(mode=mode, clear_cache=clear_cache)
+        reply = self._retrying(self._stub.PauseGeneration, request)
+        return reply.num_aborted_requests + reply.num_drained_requests + reply.num_kept_requests
+
+    def resume_generation(self) -> None:
+        self._retrying(self._stub.ResumeGeneration, pb.ResumeGenerationRequest())
+
+    def is_paused(self) -> bool:
+        return self._retrying(self._stub.IsPaused, pb.IsPausedRequest()).is_paused
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Map the tags again ("weights", "kv_cache"); None wakes all."""

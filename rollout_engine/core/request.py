@@ -5,7 +5,13 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
-from rollout_engine.protocol import FinishReason, KVTransferParams, SamplingParams, TopLogprobs
+from rollout_engine.protocol import (
+    FinishReason,
+    KVTransferParams,
+    SamplingParams,
+    TopLogprobs,
+    WeightVersionSpan,
+)
 
 if TYPE_CHECKING:
     from rollout_engine.core.structured_output import RequestGrammar
@@ -50,6 +56,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[TopLogprobs] = []
+        self.weight_versions: list[WeightVersionSpan] = []
+        """Which weight version sampled which output tokens (spans over output indexes)."""
         """With `SamplingParams.logprobs`: one entry per output token."""
         self.prompt_logprobs: list[TopLogprobs | None] | None = None
         """With `SamplingParams.prompt_logprobs` (sample 0 of a prompt computes them): per prompt
@@ -149,6 +157,15 @@ class Request:
             self.output_logprobs.append(logprob)
         if top_logprobs is not None:
             self.output_top_logprobs.append(top_logprobs)
+
+    def record_weight_version(self, version: int) -> None:
+        """The output token just appended was sampled by weight version `version`."""
+        index = self.num_output_tokens - 1
+        spans = self.weight_versions
+        if spans and spans[-1].version == version and spans[-1].end == index:
+            spans[-1].end += 1
+        else:
+            spans.append(WeightVersionSpan(version, index, index + 1))
 
     def set_prompt_logprobs(self, first_position: int, entries: list[TopLogprobs]) -> None:
         """Logprobs of prompt positions [first_position, +len(entries)) (recomputed after a

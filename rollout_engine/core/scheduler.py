@@ -83,6 +83,13 @@ class Scheduler:
         prefills holding their blocks until their KV is saved."""
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
+        self.is_paused = False
+        """Paused (`pause_generation`): nothing is scheduled; requests wait where they are."""
+        self.weight_version = 0
+        """The weights the next step runs with: recorded on every token it commits."""
+        self._preempted_between_steps: list[str] = []
+        """Requests preempted outside `schedule()` (frozen by a pause or sleep), which the next
+        step's output tells the worker to drop."""
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -133,6 +140,18 @@ class Scheduler:
         """Forget every cached prefix (weights changed, or the KV memory was released)."""
         self.kv_cache_manager.reset_prefix_cache()
 
+    def preempt_all_running(self) -> int:
+        """Freeze every running request by preemption by recompute (its KV freed, its tokens
+        kept; newest first, so the queue keeps their order): what a pause or sleep in "keep"
+        mode does to them when their KV must go. No step may be in flight. Returns how many."""
+        assert not any(r.num_steps_in_flight for r in self.running), "land every step first"
+        num_running = len(self.running)
+        while self.running:
+            victim = self.running.pop()
+            self._preempt(victim)
+            self._preempted_between_steps.append(victim.request_id)
+        return num_running
+
     # ------------------------------------------------------------------ KV transfers
     def finish_kv_load(self, request_id: str, succeeded: bool) -> None:
         """A KV transfer ended (see `KVConnectorScheduler.finish_load`): its request goes
@@ -166,13 +185,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Hand out this step's token budget: running requests first, then waiting ones."""
         self.kv_cache_manager.begin_step()
-        output = SchedulerOutput(finished_request_ids=self._finished_request_ids)
-        self._finished_request_ids = []
+        output = SchedulerOutput(finished_request_ids=self._finished_request_ids,
+                                 preempted_request_ids=self._preempted_between_steps)
+        self._finished_request_ids, self._preempted_between_steps = [], []
+        if self.is_paused:
+            return output  # nothing runs; the worker still hears of ended or frozen requests
         budget = self.config.max_num_batched_tokens
         # Groups whose shared prompt is written by a step still in flight (async scheduling).
         in_flight_groups = {r.group_id for r in self.running if self._prompt_in_flight(r)}
+        num_frozen = len(output.preempted_request_ids)
         budget = self._schedule_running(output, budget)
-        if not output.preempted_request_ids:
+        if len(output.preempted_request_ids) == num_frozen:  # none preempted for room now
             self._schedule_waiting(output, budget, in_flight_groups)
         return output
 
@@ -484,6 +507,7 @@ class Scheduler:
                 return
             request.append_output_token(token_id, logprobs[i] if logprobs else None,
                                         top_logprobs[i] if top_logprobs else None)
+            request.record_weight_version(self.weight_version)
             reason = self._stop_reason(request, token_id)
             if request.grammar is not None:
                 if not request.grammar.accept(token_id):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from rollout_engine.protocol import (
+    EngineBusyError,
     EngineError,
     EngineSleepingError,
     InternalError,
@@ -53,9 +54,12 @@ class OutputSink:
 
 @dataclass
 class _Drain:
-    """A Sleep(mode="wait") waiting for the prompts that were in flight when it came."""
+    """A Sleep or PauseGeneration with mode "wait", waiting for the prompts that were in flight
+    when it came; then `then()` runs (the sleep, or the pause)."""
 
-    level: SleepLevel
+    then: Callable[[], Any]
+    what: str
+    """"sleep" or "pause", for the error new requests get meanwhile."""
     request_ids: set[str]
     done: concurrent.futures.Future[int]
 
@@ -132,8 +136,18 @@ class EngineLoop:
     async def sleep_after_drain(self, level: SleepLevel) -> int:
         """Sleep once every prompt in flight now has finished; steps go on meanwhile, and new
         prompts are refused. Returns how many prompts were drained."""
+        sleep = functools.partial(self.engine.sleep, level, mode="abort")
+        return await self._after_drain(sleep, "sleep")
+
+    async def pause_after_drain(self) -> int:
+        """Pause once every prompt in flight now has finished (PauseGeneration "wait"); new
+        prompts are refused meanwhile. Returns how many prompts were drained."""
+        pause = functools.partial(self.engine.pause_generation, "abort")
+        return await self._after_drain(pause, "pause")
+
+    async def _after_drain(self, then: Callable[[], Any], what: str) -> int:
         done: concurrent.futures.Future[int] = concurrent.futures.Future()
-        self.submit(lambda: self._begin_drain(level, done))
+        self.submit(lambda: self._begin_drain(then, what, done))
         return await asyncio.wrap_future(done, loop=self._loop)
 
     def counters(self) -> dict[str, int]:
@@ -162,9 +176,11 @@ class EngineLoop:
             self._fail_commands()
 
     def _run(self) -> None:
+        # A paused engine, or one asleep with requests kept, waits for commands (resume, wake)
+        # instead of stepping in vain.
         while not self._is_stopping:
-            self._run_commands(block=not self.engine.has_unfinished_requests())
-            if not self._is_stopping and self.engine.has_unfinished_requests():
+            self._run_commands(block=not self.engine.can_make_progress())
+            if not self._is_stopping and self.engine.can_make_progress():
                 self._step()
             self._finish_drains()
 
@@ -222,10 +238,15 @@ class EngineLoop:
         sink: OutputSink,
         prompt_logprobs_from: Sequence[int] | None,
     ) -> None:
-        if self._drains:
+        if self._drains and self._drains[0].what == "sleep":
             raise EngineSleepingError(
                 "the engine is draining its requests to go to sleep (Sleep with mode 'wait'); "
                 "wake it up after the sleep, then generate"
+            )
+        if self._drains:
+            raise EngineBusyError(
+                "the engine is draining its requests to pause (PauseGeneration with mode "
+                "'wait'); send new requests once it is paused (they wait for the resume)"
             )
         added: list[str] = []
         try:
@@ -247,20 +268,27 @@ class EngineLoop:
         self._dispatch(outputs)
         return len(outputs)
 
-    def _begin_drain(self, level: SleepLevel, done: concurrent.futures.Future[int]) -> None:
-        self._drains.append(_Drain(level, set(self.engine.unfinished_request_ids), done))
+    def _begin_drain(
+        self, then: Callable[[], Any], what: str, done: concurrent.futures.Future[int]
+    ) -> None:
+        if self.engine.is_paused():  # the caller waits on `done`: it gets the error there
+            done.set_exception(EngineBusyError(
+                f"generation is paused: its requests cannot drain before the {what}; use mode "
+                "'keep' or 'abort', or resume first"
+            ))
+            return
+        self._drains.append(_Drain(then, what, set(self.engine.unfinished_request_ids), done))
         self._finish_drains()
 
     def _finish_drains(self) -> None:
-        """Sleep for every drain whose prompts have all finished."""
+        """Run the sleep or pause of every drain whose prompts have all finished."""
         while self._drains:
             drain = self._drains[0]
             if drain.request_ids & set(self.engine.unfinished_request_ids):
                 return
             self._drains.pop(0)
-            sleep = functools.partial(self.engine.sleep, drain.level, mode="abort")
             try:
-                self._call_ending_requests(sleep)
+                self._call_ending_requests(drain.then)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 drain.done.set_exception(exc)
             else:

@@ -35,10 +35,12 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
     """Every engine call runs on the engine thread (`EngineLoop`); errors become statuses in
     `status`."""
 
-    def __init__(self, engine_loop: EngineLoop, config: ServerConfig) -> None:
+    def __init__(self, engine_loop: EngineLoop, config: ServerConfig,
+                 admission: Admission | None = None) -> None:
         self.engine_loop = engine_loop
         self.engine = engine_loop.engine
-        self.admission = Admission(config.max_inflight_requests, config.max_n)
+        # Shared with the HTTP front-end when `serve()` passes it: one limit for both.
+        self.admission = admission or Admission(config.max_inflight_requests, config.max_n)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------------ generation
@@ -130,9 +132,43 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
         if mode == "wait":
             num_drained = await self.engine_loop.sleep_after_drain(level)
             return pb.SleepResponse(num_drained_requests=num_drained)
+        if mode == "keep":
+            num_kept = await self.engine_loop.call(self._keep_while, functools.partial(
+                self.engine.sleep, level=level, mode="keep"))
+            return pb.SleepResponse(num_kept_requests=num_kept)
         sleep = functools.partial(self.engine.sleep, level=level, mode="abort")
         num_aborted = await self.engine_loop.call_ending_requests(sleep)
         return pb.SleepResponse(num_aborted_requests=num_aborted)
+
+    @unary
+    async def PauseGeneration(self, request: pb.PauseGenerationRequest, context
+                              ) -> pb.PauseGenerationResponse:
+        mode = check_sleep_mode(request.mode or "abort")
+        clear_cache = request.clear_cache if request.HasField("clear_cache") else True
+        if mode == "wait":
+            num_drained = await self.engine_loop.pause_after_drain()
+            return pb.PauseGenerationResponse(num_drained_requests=num_drained)
+        if mode == "keep":
+            num_kept = await self.engine_loop.call(self._keep_while, functools.partial(
+                self.engine.pause_generation, "keep", clear_cache))
+            return pb.PauseGenerationResponse(num_kept_requests=num_kept)
+        pause = functools.partial(self.engine.pause_generation, "abort")
+        num_aborted = await self.engine_loop.call_ending_requests(pause)
+        return pb.PauseGenerationResponse(num_aborted_requests=num_aborted)
+
+    @unary
+    async def ResumeGeneration(self, request, context) -> pb.ResumeGenerationResponse:
+        await self.engine_loop.call(self.engine.resume_generation)
+        return pb.ResumeGenerationResponse()
+
+    @unary
+    async def IsPaused(self, request, context) -> pb.IsPausedResponse:
+        return pb.IsPausedResponse(is_paused=await self.engine_loop.call(self.engine.is_paused))
+
+    def _keep_while(self, freeze) -> int:
+        """On the engine thread: `freeze()` (a sleep or pause in "keep" mode); the prompts kept."""
+        freeze()
+        return self.engine.num_unfinished_requests
 
     @unary
     async def WakeUp(self, request: pb.WakeUpRequest, context) -> pb.WakeUpResponse:

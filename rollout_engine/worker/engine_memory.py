@@ -94,6 +94,11 @@ class EngineMemory:
     def weights_mapped(self) -> bool:
         return self.manager.is_mapped(WEIGHTS_TAG)
 
+    @property
+    def is_ready(self) -> bool:
+        """Weights awake and valid, KV cache mapped: the model may run."""
+        return self._is_ready
+
     def check_ready(self) -> None:
         """EngineSleepingError saying what to call, unless the model may run."""
         if self._is_ready:

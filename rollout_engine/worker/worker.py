@@ -147,6 +147,11 @@ class Worker:
         them while sampling."""
         self.model_runner.sampler.eos_token_ids = tuple(eos_token_ids)
 
+    @property
+    def is_ready(self) -> bool:
+        """Weights awake and valid and KV cache mapped (see `check_ready`)."""
+        return self.memory.is_ready
+
     def check_ready(self) -> None:
         """EngineSleepingError saying what to call, unless weights and KV cache are ready."""
         self.memory.check_ready()

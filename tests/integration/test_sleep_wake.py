@@ -161,7 +161,7 @@ def test_generate_while_asleep_says_what_to_wake(llm, release, match):
         (lambda llm: llm.sleep(level=3), "sleep level must be 1 .* or 2"),
         (lambda llm: llm.sleep(level=0), "sleep level must be 1"),
         (lambda llm: llm.sleep(level=True), "sleep level must be 1"),
-        (lambda llm: llm.sleep(level=1, mode="later"), "mode must be 'abort' or 'wait'"),
+        (lambda llm: llm.sleep(level=1, mode="later"), "mode must be 'abort', 'wait' or 'keep'"),
         (lambda llm: llm.wake_up(["weights", "kv"]),
          r"unknown memory tag 'kv'; valid tags: \['weights', 'kv_cache'\]"),
         (lambda llm: llm.wake_up("weights"), "tags must be a list"),

@@ -28,6 +28,9 @@ class IdleEngine:
             raise RuntimeError("a bug in the loop")
         return False
 
+    def can_make_progress(self) -> bool:
+        return self.has_unfinished_requests()
+
 
 def test_a_crashed_engine_thread_fails_calls_and_reports_unresponsive():
     async def scenario() -> None:

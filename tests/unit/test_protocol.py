@@ -29,6 +29,7 @@ from rollout_engine.protocol import (
     StructuredOutputsParams,
     TagMemoryState,
     TopLogprobs,
+    WeightVersionSpan,
     error_from_status,
 )
 from rollout_engine.wire_codec import from_message, to_message
@@ -43,6 +44,7 @@ WIRE_TYPES = [
     (StructuredOutputsParams, pb.StructuredOutputsParams),
     (TopLogprobs, pb.TopLogprobs),
     (ScoreOutput, pb.ScoreOutput),
+    (WeightVersionSpan, pb.WeightVersionSpan),
 ]
 TORCH_FREE_MODULES = [
     "rollout_engine",
@@ -151,6 +153,7 @@ def test_codec_round_trips_every_wire_type():
         running, finish_reason="stop", text="hi", weight_version=3, stop_str="</a>",
         top_logprobs=[TopLogprobs([4, 4, 9], [-0.5, -0.5, -2.0], [1, 1, 2]),
                       TopLogprobs([5, 2], [-1.0, -0.1], [3, 1])],
+        weight_versions=[WeightVersionSpan(2, 0, 1), WeightVersionSpan(3, 1, 2)],
     )
     for completion in (running, finished):
         message = to_message(completion, pb.CompletionOutput())

@@ -396,6 +396,35 @@ def test_prompt_logprobs_keep_the_prefix_cache_off_the_positions_asked_for() -> 
     assert asking.max_prefix_hit_tokens == 16 - 1 + asking.num_output_tokens
 
 
+def test_a_paused_scheduler_schedules_nothing_and_frozen_requests_resume_by_recompute() -> None:
+    """Keep mode in ledger terms: frozen requests are preempted by recompute (blocks freed,
+    tokens kept, no new state); the worker hears of them; resumed, they recompute and go on,
+    their tokens recorded with the weight version of the steps that sampled them."""
+    scheduler = make_scheduler()
+    runner = FakeModelRunner(scheduler)
+    requests = [make_request(f"r{i}", num_prompt_tokens=8, max_tokens=6) for i in range(2)]
+    for request in requests:
+        scheduler.add_request(request)
+    for _ in range(3):
+        run_step(scheduler, runner)
+    num_before = [r.num_output_tokens for r in requests]
+    scheduler.is_paused = True
+    assert scheduler.preempt_all_running() == 2
+    assert scheduler.num_free_blocks == scheduler.num_blocks
+    assert all(r.num_computed_tokens == 0 and r.num_output_tokens == n
+               for r, n in zip(requests, num_before))
+    output, _ = run_step(scheduler, runner)
+    assert output.total_num_scheduled_tokens == 0
+    assert sorted(output.preempted_request_ids) == ["r0", "r1"]  # the worker drops them
+    scheduler.is_paused = False
+    scheduler.weight_version = 1
+    run_until_done(scheduler, runner)
+    for request, n in zip(requests, num_before):
+        assert request.output_token_ids == expected_outputs(request.request_id, 8, 6)
+        assert [(s.version, s.start, s.end) for s in request.weight_versions] == [
+            (0, 0, n), (1, n, 6)]
+
+
 # ---------------------------------------------------------------- draft slots and budget
 def test_a_long_prompt_leaves_room_for_drafts() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=16, num_speculative_tokens=3)

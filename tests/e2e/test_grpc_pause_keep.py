@@ -1,0 +1,103 @@
+"""Generation that survives a weight update, through a real server: a stream held across a
+pause in "keep" mode and a weight update completes with the old policy's tokens, then the new
+one's; a batch kept across a level-2 sleep does the same."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.e2e.server_process import start_server
+from tests.integration.hf_oracle import hf_greedy
+from trainer_bridge import EngineClient, SamplingParams
+
+PROMPTS = [[3, 14, 15, 92, 65], [27, 18, 28, 18, 28, 45, 90]]
+MAX_TOKENS = 40
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, llama_dir):
+    process = start_server(tmp_path_factory, llama_dir)
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def client(server, llama_dir):
+    with EngineClient(server.address, timeout=60) as engine_client:
+        engine_client.wait_until_ready(30)
+        yield engine_client
+        # Awake, with the checkpoint's weights and no pause, for the next test.
+        engine_client.resume_generation()
+        engine_client.wake_up()
+        engine_client.update_weights(load_file(str(llama_dir / "model.safetensors")))
+
+
+def check_switch(completion, prompt, old_dir, new_dir, old_version: int) -> None:
+    """Two spans of weight versions; the old policy's greedy tokens up to the switch, the new
+    policy's from the same prefix after it."""
+    first, second = completion.weight_versions
+    assert (first.version, first.start) == (old_version, 0)
+    assert (second.version, second.end) == (old_version + 1, MAX_TOKENS)
+    switch = first.end
+    assert switch == second.start and 0 < switch < MAX_TOKENS
+    tokens = completion.token_ids
+    assert tokens[:switch] == hf_greedy(str(old_dir), prompt, switch)
+    assert tokens[switch:] == hf_greedy(str(new_dir), prompt + tokens[:switch],
+                                        MAX_TOKENS - switch)
+
+
+def start_streams(client, prompts) -> tuple[list[list], list[threading.Thread]]:
+    """One Generate stream per prompt on its own thread, and their snapshots as they come;
+    returns once each has streamed a few tokens."""
+    snapshots: list[list] = [[] for _ in prompts]
+    threads = []
+    for prompt, received in zip(prompts, snapshots):
+        thread = threading.Thread(target=lambda p=prompt, r=received: r.extend(
+            client.generate_stream(p, GREEDY, timeout=60)))
+        thread.start()
+        threads.append(thread)
+    deadline = time.monotonic() + 30
+    while not all(r and len(r[-1].outputs[0].token_ids) >= 3 for r in snapshots):
+        assert time.monotonic() < deadline, "no tokens streamed"
+        time.sleep(0.005)
+    return snapshots, threads
+
+
+def test_a_stream_held_across_a_pause_and_an_update_completes(client, llama_dir,
+                                                               other_model_dirs):
+    new_dir = other_model_dirs[1]
+    old_version = client.info().weight_version
+    (snapshots,), (reader,) = start_streams(client, PROMPTS[:1])
+    assert client.pause_generation("keep") == 1 and client.is_paused()
+    num_tokens = len(snapshots[-1].outputs[0].token_ids)
+    time.sleep(0.3)  # paused: the stream waits, nothing is generated
+    assert len(snapshots[-1].outputs[0].token_ids) == num_tokens and reader.is_alive()
+    client.update_weights(load_file(str(new_dir / "model.safetensors")))
+    client.resume_generation()
+    reader.join(60)
+    final = snapshots[-1].outputs[0]
+    assert final.finish_reason == "length" and not client.is_paused()
+    check_switch(final, PROMPTS[0], llama_dir, new_dir, old_version)
+
+
+def test_streams_kept_across_a_level_2_sleep_go_on_with_the_new_weights(
+    client, llama_dir, other_model_dirs
+):
+    new_dir = other_model_dirs[2]
+    old_version = client.info().weight_version
+    snapshots, streams = start_streams(client, PROMPTS)
+    assert client.sleep(level=2, mode="keep") == len(PROMPTS)
+    assert client.memory_state().is_sleeping and all(s.is_alive() for s in streams)
+    client.wake_up(["weights"])
+    client.update_weights(load_file(str(new_dir / "model.safetensors")))
+    client.wake_up(["kv_cache"])  # awake with valid weights: the kept requests go on
+    for stream in streams:
+        stream.join(60)
+    for received, prompt in zip(snapshots, PROMPTS):
+        check_switch(received[-1].outputs[0], prompt, llama_dir, new_dir, old_version)
+    assert client.info().num_free_blocks == client.info().num_blocks

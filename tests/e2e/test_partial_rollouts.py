@@ -1,0 +1,66 @@
+"""Partial rollouts through a real server: a step returns the first whole groups to finish,
+the long ones run on across the training phase (the engine sleeps in "keep" mode) and come back
+first at the next step, their tokens from the old policy then the new one."""
+
+from __future__ import annotations
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.e2e.server_process import start_server
+from tests.integration.hf_oracle import hf_greedy
+from trainer_bridge import EngineClient, SamplingParams
+from trainer_bridge.colocate import Colocation
+from trainer_bridge.partial_rollouts import PartialRollouts
+
+SHORT, LONG = 6, 120  # new tokens of the quick groups and of the long tail
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(n=2, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, llama_dir):
+    process = start_server(tmp_path_factory, llama_dir)
+    yield process
+    process.stop()
+
+
+def test_long_groups_run_through_training_and_return_first_with_both_versions(
+    server, llama_dir, other_model_dirs
+):
+    new_dir = other_model_dirs[1]
+    prompts = [("long-a", [3, 14, 15, 92], greedy(LONG)), ("short-a", [27, 18, 28], greedy(SHORT)),
+               ("long-b", [65, 35, 89, 79], greedy(LONG)), ("short-b", [11, 12], greedy(SHORT)),
+               ("short-c", [40, 41, 42], greedy(SHORT)), ("short-d", [50, 51], greedy(SHORT))]
+    with EngineClient(server.address, timeout=60) as client:
+        colocation = Colocation(client, sleep_level=1, sleep_mode="keep")
+        rollouts = PartialRollouts(client, iter(prompts), greedy(SHORT), oversample=2.0)
+        with colocation.rollout():
+            first = rollouts.collect(num_groups=2)
+        # The two short groups of the first four started; the long ones run on, kept.
+        assert {g.key for g in first.groups} == {"short-a", "short-b"}
+        assert rollouts.num_in_flight == 2 and first.off_policy_token_fraction == 0.0
+        assert client.memory_state().is_sleeping
+        with colocation.training():
+            new_weights = load_file(str(new_dir / "model.safetensors"))
+        with colocation.rollout(weights=new_weights):
+            second = rollouts.collect(num_groups=2)
+        assert second.num_carried_over == 2
+        assert [g.key for g in second.groups][:2] in (["long-a", "long-b"], ["long-b", "long-a"])
+        assert 0.0 < second.off_policy_token_fraction < 1.0
+        for group in second.groups[:2]:
+            prompt = {k: p for k, p, _ in prompts}[group.key]
+            for completion in group.output.outputs:
+                old, new = completion.weight_versions
+                assert (old.version, new.version) == (0, 1) and new.end == LONG
+                tokens = completion.token_ids
+                assert tokens[: old.end] == hf_greedy(str(llama_dir), prompt, old.end)
+                assert tokens[old.end :] == hf_greedy(str(new_dir), prompt + tokens[: old.end],
+                                                      LONG - old.end)
+        # Back to the checkpoint's weights for the other tests of the session.
+        colocation.sync_weights(load_file(str(llama_dir / "model.safetensors")))
+        rollouts.collect(num_groups=10)  # drain what is left
+        assert rollouts.num_in_flight == 0
+        assert client.info().num_free_blocks == client.info().num_blocks
