@@ -49,3 +49,57 @@ def run_vllm(
     if result.returncode != 0:
         raise RuntimeError(f"vLLM failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+class VllmServer:
+    """`vllm serve` (its OpenAI server) from `.peers/vllm` on a free loopback port, for
+    benchmarks that compare HTTP front-ends; `base_url` once /health answers. float32, prefix
+    caching on, the KV space and OpenMP cores set as `run_vllm` sets them."""
+
+    def __init__(self, model_dir: str, *, max_model_len: int, max_num_batched_tokens: int,
+                 max_num_seqs: int, threads: int | None = None, kv_cache_gib: int = 4,
+                 log_path: str | None = None, startup_timeout_s: float = 900.0) -> None:
+        import os
+        import socket
+        import time
+        import urllib.request
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+        if threads:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
+        self._log = open(log_path or os.devnull, "w")  # noqa: SIM115 - lives with the server
+        self.process = subprocess.Popen(
+            [str(VLLM_PYTHON.parent / "vllm"), "serve", model_dir,
+             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+             "--max-model-len", str(max_model_len),
+             "--max-num-batched-tokens", str(max_num_batched_tokens),
+             "--max-num-seqs", str(max_num_seqs), "--enable-prefix-caching"],
+            env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.base_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + startup_timeout_s
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"vllm serve did not start (see {log_path or 'its log'})")
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()

@@ -164,6 +164,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 # serve ----------------------------------------------------------------------------------
 
 AUTH_TOKEN_ENV = "ROLLOUT_ENGINE_AUTH_TOKEN"
+API_KEY_ENV = "ROLLOUT_ENGINE_API_KEY"
 
 
 def _parse_bytes(text: str) -> int:
@@ -186,9 +187,11 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         subparsers,
         "serve",
         _run_serve,
-        "Serve a model over gRPC (RolloutEngine service, health, reflection)",
+        "Serve a model over gRPC (RolloutEngine service, health, reflection), and over "
+        "HTTP with vllm serve's API (--http-port)",
         "Binds 127.0.0.1 by default and prints `rollout-engine serving MODEL on HOST:PORT` to "
-        "stderr once ready. SIGTERM drains in-flight calls for --shutdown-grace-s, then exits 0.",
+        "stderr once ready (after `rollout-engine HTTP (vllm serve API) on http://HOST:PORT` "
+        "with --http-port). SIGTERM drains in-flight calls for --shutdown-grace-s, then exits 0.",
     )
     parser.add_argument("--model", required=True, help="Hugging Face model directory")
     net = parser.add_argument_group("network")
@@ -214,6 +217,20 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     net.add_argument("--engine-stall-s", type=float, default=60.0,
                      help="health reports NOT_SERVING while one engine step or command has run "
                      "this long (default: %(default)s)")
+    http = parser.add_argument_group("HTTP (vllm serve's API: OpenAI completions and chat, "
+                                     "tokenize, metrics, RL control endpoints)")
+    http.add_argument("--http-port", type=int,
+                      help="also serve HTTP on this port of --host; 0 picks a free one "
+                      "(default: off)")
+    http.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                      help="require `Authorization: Bearer KEY` on every HTTP request but "
+                      f"/health; needed for a non-loopback --host (default: ${API_KEY_ENV})")
+    http.add_argument("--enable-control-endpoints", action="store_true",
+                      help="serve /sleep, /wake_up, /pause, /server_info... on a non-loopback "
+                      "--host too (vLLM's dev mode; always on for loopback)")
+    http.add_argument("--served-model-name", nargs="+", default=(),
+                      help="the names requests may give as `model`; the first is reported "
+                      "(default: the --model path)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                         default="auto", help="(default: %(default)s)")
@@ -311,6 +328,11 @@ def _run_serve(args: argparse.Namespace) -> int:
             max_message_bytes=args.max_message_bytes,
             shutdown_grace_s=args.shutdown_grace_s,
             engine_stall_s=args.engine_stall_s,
+            http_port=args.http_port,
+            # ROLLOUT_ENGINE_API_KEY alone asks for no HTTP server.
+            api_key=(args.api_key or None) if args.http_port is not None else None,
+            enable_control_endpoints=args.enable_control_endpoints,
+            served_model_names=tuple(args.served_model_name),
         )
         engine_config = EngineConfig.from_kwargs(args.model, **options)
     except ValueError as exc:

@@ -220,7 +220,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """How the gRPC server listens and admits work."""
+    """How the server listens (gRPC, and HTTP with `http_port`) and admits work."""
 
     host: str = "127.0.0.1"
     """Address to bind; anything but loopback needs an auth token (or allow_insecure_remote)."""
@@ -235,11 +235,22 @@ class ServerConfig:
     allow_insecure_remote: bool = False
     """Allow a non-loopback bind without a token (trusted networks only)."""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    """Largest gRPC message either way."""
+    """Largest gRPC message either way, and largest HTTP request body."""
     shutdown_grace_s: float = 10.0
     """On SIGTERM, in-flight calls get this long to finish before they are aborted."""
     engine_stall_s: float = 60.0
     """Health says NOT_SERVING while one engine step or command has run this long."""
+    http_port: int | None = None
+    """Also serve `vllm serve`'s HTTP API on this port of `host` (0 picks a free one); None:
+    gRPC only. Both share one engine, one admission limit and one weight version."""
+    api_key: str | None = None
+    """If set, every HTTP request but `/health` needs `Authorization: Bearer <key>`."""
+    enable_control_endpoints: bool = False
+    """Serve the RL control endpoints (`/sleep`, `/wake_up`, `/pause`, ...) on a non-loopback
+    HTTP bind too (vLLM's dev mode); on loopback they are always served."""
+    served_model_names: tuple[str, ...] = ()
+    """The names HTTP requests may give as `model` (the first is reported); () takes the
+    model path."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
@@ -253,6 +264,24 @@ class ServerConfig:
             f"refusing to bind {self.host!r} without --auth-token: anyone who can reach it "
             "could generate, put the engine to sleep or replace its weights; set --auth-token, "
             "or pass --allow-insecure-remote on a trusted network",
+        )
+        self._check_http()
+
+    def _check_http(self) -> None:
+        if self.http_port is None:
+            _require(self.api_key is None and not self.enable_control_endpoints,
+                     "--api-key and --enable-control-endpoints apply to the HTTP server: set "
+                     "--http-port too")
+            return
+        _require(0 <= self.http_port <= 65535,
+                 f"http_port must be in [0, 65535], got {self.http_port}")
+        _require(self.http_port == 0 or self.http_port != self.port,
+                 f"http_port and port are both {self.port}: give HTTP a port of its own")
+        _require(
+            is_loopback_host(self.host) or bool(self.api_key) or self.allow_insecure_remote,
+            f"refusing to serve HTTP on {self.host!r} without --api-key: anyone who can reach "
+            "it could generate (or, with --enable-control-endpoints, put the engine to "
+            "sleep); set --api-key, or pass --allow-insecure-remote on a trusted network",
         )
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Self
 
 READY_LINE = re.compile(r"rollout-engine serving .* on (\S+):(\d+)")
+HTTP_READY_LINE = re.compile(r"rollout-engine HTTP .* on (http://\S+)")
+"""Printed just before READY_LINE by a server started with `--http-port`."""
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
 _LIVE_SERVERS: weakref.WeakSet[EngineServer] = weakref.WeakSet()
 
@@ -64,6 +66,9 @@ class EngineServer:
         self.log_path = Path(log_path)
         self.process: subprocess.Popen | None = None
         self.address = ""
+        self.http_url: str | None = None
+        """`http://HOST:PORT` of vllm serve's API with `--http-port` in `extra_args`, else None:
+        what TRL's `VLLMClient(base_url=...)` and the `openai` package take (+ "/v1")."""
         _LIVE_SERVERS.add(self)
         self.start()
 
@@ -139,8 +144,11 @@ class EngineServer:
         while time.monotonic() < deadline:
             with open(self.log_path, errors="replace") as log:
                 log.seek(start_offset)
-                match = READY_LINE.search(log.read())
+                text = log.read()
+            match = READY_LINE.search(text)
             if match:
+                http_match = HTTP_READY_LINE.search(text)
+                self.http_url = http_match.group(1) if http_match else None
                 return f"{match.group(1)}:{match.group(2)}"
             if self.process.poll() is not None:
                 raise EngineServerError(

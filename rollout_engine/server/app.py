@@ -1,4 +1,6 @@
-"""The gRPC server process: the RolloutEngine service, health and reflection, and its lifetime."""
+"""The server process: the RolloutEngine gRPC service, health and reflection, the optional HTTP
+front-end (`vllm serve`'s API) on the same event loop, engine loop and admission, and their
+lifetime."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protos import rollout_pb2 as pb
 from rollout_engine.protocol import SERVICE_NAME
+from rollout_engine.server.admission import Admission
 from rollout_engine.server.auth import BearerTokenInterceptor
 from rollout_engine.server.chunk_decoding import decode_update_request
 from rollout_engine.server.engine_loop import EngineLoop
@@ -56,8 +59,10 @@ def add_rollout_service(servicer: RolloutEngineServicer, server) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-def build_server(engine_loop: EngineLoop, config: ServerConfig):
-    """A grpc.aio server with the service, health and reflection; not yet bound or started."""
+def build_server(engine_loop: EngineLoop, config: ServerConfig,
+                 admission: Admission | None = None):
+    """A grpc.aio server with the service, health and reflection; not yet bound or started.
+    `admission`: the limit it shares with the HTTP front-end (None: one of its own)."""
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -65,7 +70,7 @@ def build_server(engine_loop: EngineLoop, config: ServerConfig):
     ]
     interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    add_rollout_service(RolloutEngineServicer(engine_loop, config), server)
+    add_rollout_service(RolloutEngineServicer(engine_loop, config, admission), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -79,22 +84,34 @@ async def serve(engine: LLMEngine, config: ServerConfig, model_name: str = "") -
     loop = asyncio.get_running_loop()
     engine_loop = EngineLoop(engine, loop)
     engine_loop.start()
-    server, health_servicer = build_server(engine_loop, config)
+    # One admission for both front-ends: a sample counts against the limit however it came.
+    admission = Admission(config.max_inflight_requests, config.max_n)
+    server, health_servicer = build_server(engine_loop, config, admission)
     host = f"[{config.host}]" if ":" in config.host else config.host
     try:
         port = server.add_insecure_port(f"{host}:{config.port}")
     except RuntimeError as exc:
         engine_loop.stop()
         raise OSError(f"cannot bind {host}:{config.port}: {exc}") from None
+    try:
+        http = _http_front_end(engine_loop, admission, config, model_name)
+    except BaseException:
+        engine_loop.stop()
+        raise
     if engine.kv_transfer is not None:  # handles of KV saved here name this server
         engine.kv_transfer.address = advertised_address(config.host, port)
     await server.start()
+    if http is not None:
+        await http.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     health_task = asyncio.create_task(report_health(engine_loop, health_servicer, config))
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    if http is not None:  # first: whoever reads the gRPC ready line finds this one too
+        print(f"rollout-engine HTTP (vllm serve API) on http://{host}:{http.port}",
+              file=sys.stderr, flush=True)
     print(f"rollout-engine serving {model_name or engine.config.model_config.model} "
           f"on {host}:{port}", file=sys.stderr, flush=True)
     await stop.wait()
@@ -102,8 +119,22 @@ async def serve(engine: LLMEngine, config: ServerConfig, model_name: str = "") -
                    config.shutdown_grace_s)
     health_task.cancel()
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(config.shutdown_grace_s)
+    stopping = [server.stop(config.shutdown_grace_s)]
+    if http is not None:
+        stopping.append(http.stop(config.shutdown_grace_s))
+    await asyncio.gather(*stopping)
     engine_loop.stop()
+
+
+def _http_front_end(engine_loop: EngineLoop, admission: Admission, config: ServerConfig,
+                    model_name: str):
+    """The HTTP front-end, its port bound, if `config.http_port` asks for one (FastAPI is
+    imported only then)."""
+    if config.http_port is None:
+        return None
+    from rollout_engine.server.http.app import HttpFrontEnd
+
+    return HttpFrontEnd(engine_loop, admission, config, model_name)
 
 
 def advertised_address(host: str, port: int) -> str:

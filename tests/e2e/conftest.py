@@ -21,10 +21,11 @@ def other_model_dirs(tmp_path_factory) -> dict[int, Path]:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, llama_dir):
-    """The shared server, with an auth token: tests using it must leave its weights and
-    memory as they were."""
+    """The shared server, with an auth token, and vllm serve's HTTP API on loopback (no API
+    key) over the same engine: tests using it must leave its weights and memory as they were."""
     process = start_server(
-        tmp_path_factory, llama_dir, "--max-inflight-requests", "300", "--auth-token", AUTH_TOKEN
+        tmp_path_factory, llama_dir, "--max-inflight-requests", "300", "--auth-token", AUTH_TOKEN,
+        "--http-port", "0",
     )
     yield process
     assert process.stop() == 0, process.log()[-3000:]

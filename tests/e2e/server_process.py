@@ -14,6 +14,8 @@ from rollout_engine.worker.cpu_threads import cpu_seconds
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 READY_LINE = re.compile(r"rollout-engine serving .* on (\S+):(\d+)")
+HTTP_READY_LINE = re.compile(r"rollout-engine HTTP .* on (http://\S+)")
+"""Printed before READY_LINE when the server was started with --http-port."""
 # Options shared by the served engine and the in-process reference engine.
 ENGINE_OPTIONS = {"kv_cache_bytes": 8 * 1024**2, "max_model_len": 256}
 STARTUP_TIMEOUT_S = 120.0
@@ -44,6 +46,9 @@ class ServerProcess:
             command, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
         )
         self.address = self._wait_ready()
+        http_match = HTTP_READY_LINE.search(self.log_path.read_text())
+        self.http_url: str | None = http_match.group(1) if http_match else None
+        """The HTTP API's base URL (`http://127.0.0.1:PORT`) with --http-port, else None."""
 
     def _wait_ready(self) -> str:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

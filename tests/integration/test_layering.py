@@ -35,3 +35,20 @@ def test_the_core_imports_no_torch():
         "rollout_engine.core.spec_decode"
     )
     assert "rollout_engine.core.scheduler" in loaded and "torch" not in loaded
+
+
+def test_only_the_server_imports_the_http_front_end():
+    """`rollout_engine.server.http` (FastAPI) is the server's: the engine, the trainer side and
+    the scripts never import it; importing `trainer_bridge` or the CLI loads no FastAPI."""
+    importers = []
+    for folder in ("rollout_engine", "trainer_bridge", "kernels", "memory", "examples",
+                   "benchmarks"):
+        for path in (REPO_ROOT / folder).rglob("*.py"):
+            relative = path.relative_to(REPO_ROOT).as_posix()
+            if relative.startswith("rollout_engine/server/"):
+                continue
+            if "rollout_engine.server.http" in path.read_text() or "fastapi" in path.read_text():
+                importers.append(relative)
+    assert importers == []
+    loaded = modules_after("import trainer_bridge, rollout_engine.cli")
+    assert "fastapi" not in loaded and "rollout_engine.server.http" not in loaded

@@ -1,0 +1,220 @@
+"""`POST /v1/completions`: text or token-id prompts, one or a list, answered as `vllm serve`
+answers them: choices prompt-major (prompt i's sample j at index i * n + j), `token_ids` and
+`prompt_token_ids` with `return_token_ids`, logprobs in the completions form, `prompt_logprobs`,
+`echo`, and server-sent events with `stream`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from rollout_engine.protocol import (
+    CompletionOutput,
+    InvalidRequestError,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+    TopLogprobs,
+)
+from rollout_engine.server.http.context import ServingContext, serving
+from rollout_engine.server.http.errors import json_response
+from rollout_engine.server.http.generation import (
+    EngineRun,
+    final_outputs,
+    read_json,
+    until_disconnected,
+)
+from rollout_engine.server.http.logprobs import (
+    TokenTexts,
+    completion_logprobs,
+    prompt_logprobs_json,
+)
+from rollout_engine.server.http.protocol import CompletionRequest
+from rollout_engine.server.http.sampling import completion_params
+from rollout_engine.server.http.sse import EventStreamResponse, SampleText, event
+
+router = APIRouter()
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None
+    """As sent; None for token ids."""
+
+
+@router.post("/v1/completions")
+async def create_completion(raw_request: Request) -> Response:
+    ctx = serving(raw_request)
+    request = await read_json(raw_request, CompletionRequest, ctx.config.max_message_bytes)
+    ctx.check_model(request.model)
+    prompts = prompts_of(ctx, request)
+    params = [completion_params(request, len(p.token_ids), ctx.max_model_len) for p in prompts]
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+    run = EngineRun(ctx, request_id, [p.token_ids for p in prompts], params, kind)
+    if request.stream:
+        events = CompletionStream(ctx, request, request_id, prompts, params).events(run)
+        await run.start()  # admission and the engine's checks answer with a status
+        return EventStreamResponse(events, run.close)
+    outputs = await until_disconnected(raw_request, final_outputs(run, len(prompts)))
+    return json_response(completion_response(ctx, request, request_id, prompts, outputs))
+
+
+def prompts_of(ctx: ServingContext, request: CompletionRequest) -> list[Prompt]:
+    """One prompt, or a list: text is tokenized here (as the engine would)."""
+    prompt = request.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]  # type: ignore[list-item]
+    if not prompt:
+        raise InvalidRequestError("prompt is empty: send a text, token ids, or a list of them")
+    return [Prompt(ctx.encode(p, request.add_special_tokens), p) if isinstance(p, str)
+            else Prompt(list(p), None) for p in prompt]
+
+
+# ------------------------------------------------------------------------------ one response
+
+
+def completion_response(ctx: ServingContext, request: CompletionRequest, request_id: str,
+                        prompts: list[Prompt], outputs: list[RequestOutput]) -> dict:
+    texts = TokenTexts(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
+    choices: list[dict] = []
+    for prompt, output in zip(prompts, outputs):
+        for completion in output.outputs:
+            choice = _choice(ctx, request, prompt, completion, output.prompt_logprobs, texts)
+            choice["index"] = len(choices)
+            choices.append(choice)
+    echo_only = request.echo and request.max_tokens == 0  # its one token is dropped
+    num_generated = 0 if echo_only else sum(
+        len(c.token_ids) for output in outputs for c in output.outputs)
+    num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    return {
+        "id": request_id, "object": "text_completion", "created": int(time.time()),
+        "model": ctx.model_name, "choices": choices,
+        "usage": usage(num_prompt_tokens, num_generated),
+        "system_fingerprint": None, "kv_transfer_params": None,
+    }
+
+
+def _choice(ctx: ServingContext, request: CompletionRequest, prompt: Prompt,
+            completion: CompletionOutput, prompt_logprobs: list[TopLogprobs | None] | None,
+            texts: TokenTexts) -> dict:
+    token_ids, positions, text = _echoed(ctx, request, prompt, completion, prompt_logprobs)
+    logprobs = None
+    if request.logprobs is not None:
+        logprobs = completion_logprobs(token_ids, positions, request.logprobs, texts)
+    return {
+        "index": 0, "text": text, "logprobs": logprobs,
+        "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
+        "token_ids": completion.token_ids if request.return_token_ids else None,
+        "prompt_logprobs": None if prompt_logprobs is None else prompt_logprobs_json(
+            prompt_logprobs, TokenTexts(ctx.tokenizer, False)),
+        "prompt_token_ids": prompt.token_ids if request.return_token_ids else None,
+    }
+
+
+def _echoed(ctx: ServingContext, request: CompletionRequest, prompt: Prompt,
+            completion: CompletionOutput, prompt_logprobs: list[TopLogprobs | None] | None):
+    """(token ids, logprob positions, text) of a choice: with `echo`, the prompt's first
+    (alone with `max_tokens=0`). vLLM leaves the prompt's text out with `return_token_ids`."""
+    positions: list = list(completion.top_logprobs or [None] * len(completion.token_ids))
+    if not request.echo:
+        return completion.token_ids, positions, completion.text
+    prompt_text = "" if request.return_token_ids else _prompt_text(ctx, prompt)
+    prompt_positions = list(prompt_logprobs or [None] * len(prompt.token_ids))
+    if request.max_tokens == 0:
+        return prompt.token_ids, prompt_positions, prompt_text
+    return (prompt.token_ids + completion.token_ids, prompt_positions + positions,
+            prompt_text + completion.text)
+
+
+def _prompt_text(ctx: ServingContext, prompt: Prompt) -> str:
+    if prompt.text is not None:
+        return prompt.text
+    return "" if ctx.tokenizer is None else ctx.tokenizer.decode(prompt.token_ids)
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+# -------------------------------------------------------------------------------- streaming
+
+
+class CompletionStream:
+    """The events of one streamed completion request: per sample, a chunk for each output
+    that brought it tokens or finished it; a usage chunk last if asked for."""
+
+    def __init__(self, ctx: ServingContext, request: CompletionRequest, request_id: str,
+                 prompts: list[Prompt], params: list[SamplingParams]) -> None:
+        self.ctx, self.request, self.prompts, self.params = ctx, request, prompts, params
+        self.header = {"id": request_id, "object": "text_completion",
+                       "created": int(time.time()), "model": ctx.model_name}
+        self.texts = TokenTexts(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
+        self.samples: dict[tuple[int, int], SampleText] = {}
+        self.num_chars: dict[tuple[int, int], int] = {}
+        self.finished: set[tuple[int, int]] = set()
+        self.prompt_logprobs: dict[int, list[TopLogprobs | None]] = {}
+        options = request.stream_options
+        self.include_usage = bool(options and options.include_usage)
+        self.continuous_usage = bool(options and options.continuous_usage_stats)
+
+    async def events(self, run: EngineRun) -> AsyncIterator[str]:
+        try:
+            async for i, output in run.outputs():
+                if output.prompt_logprobs is not None:
+                    self.prompt_logprobs[i] = output.prompt_logprobs
+                for completion in output.outputs:
+                    chunk = self._chunk(i, completion)
+                    if chunk is not None:
+                        yield event(chunk)
+            if self.include_usage:
+                yield event({**self.header, "choices": [], "usage": self._usage()})
+        finally:
+            await run.close()
+
+    def _chunk(self, i: int, completion: CompletionOutput) -> dict | None:
+        key = (i, completion.index)
+        if key in self.finished or not (completion.token_ids or completion.finished):
+            return None
+        if completion.finished:
+            self.finished.add(key)
+        first = key not in self.samples
+        if first:
+            self.samples[key] = SampleText(self.ctx.tokenizer, self.prompts[i].token_ids,
+                                           self.params[i])
+        text = self.samples[key].delta(completion)
+        token_ids = completion.token_ids
+        positions = list(completion.top_logprobs or [None] * len(token_ids))
+        request = self.request
+        if request.echo and first:
+            prompt = self.prompts[i]
+            text = ("" if request.return_token_ids else _prompt_text(self.ctx, prompt)) + text
+            token_ids = prompt.token_ids + token_ids
+            positions = list(self.prompt_logprobs.get(i) or [None] * len(prompt.token_ids)
+                             ) + positions
+        offset = self.num_chars.get(key, 0)
+        self.num_chars[key] = offset + len(text)
+        choice = {"index": i * request.n + completion.index, "text": text,
+                  "logprobs": None if request.logprobs is None else completion_logprobs(
+                      token_ids, positions, request.logprobs, self.texts, offset),
+                  "finish_reason": completion.finish_reason,
+                  "stop_reason": completion.stop_reason}
+        if request.return_token_ids:
+            choice["token_ids"] = completion.token_ids
+            if first:
+                choice["prompt_token_ids"] = self.prompts[i].token_ids
+        chunk = {**self.header, "choices": [choice]}
+        if self.continuous_usage:
+            chunk["usage"] = self._usage()
+        return chunk
+
+    def _usage(self) -> dict:
+        return usage(sum(len(p.token_ids) for p in self.prompts),
+                     sum(s.num_tokens for s in self.samples.values()))
