@@ -105,17 +105,41 @@ def test_only_the_failed_steps_prompts_end(llama_dir):
     assert outputs["second"].outputs[0].token_ids == oracle[1]
 
 
-def test_a_refused_step_on_released_memory_ends_its_prompts(llm):
-    """Generating on a released KV cache is refused up front; were a step to run anyway, it
-    ends its prompts with the same typed error instead of reading released memory."""
+def test_released_memory_freezes_requests_until_wake(llm, llama_dir):
+    """KV memory released behind the engine's back: the engine sees the worker is not ready,
+    schedules nothing (no step reads released memory), and the request goes on after wake."""
     prompts, _ = make_prompts(seed=3)
+    oracle = hf_greedy_batch(str(llama_dir), prompts[:1], MAX_NEW_TOKENS)
     llm.engine.add_request("late", prompts[0], GREEDY)
     llm.engine.worker.release_kv_cache()  # behind the engine's back: only the worker knows
     try:
+        assert llm.engine.is_frozen and not llm.engine.can_make_progress()
+        assert llm.engine.step() == [] and llm.engine.unfinished_request_ids == ["late"]
+    finally:
+        llm.wake_up(["kv_cache"])
+        llm.reset_prefix_cache()
+    outputs = {}
+    while llm.engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in llm.engine.step() if o.finished)
+    assert outputs["late"].outputs[0].token_ids == oracle[0]
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+
+
+def test_a_step_run_on_released_memory_anyway_ends_its_prompts(llm, monkeypatch):
+    """Were a step to run on released KV memory anyway (the engine's gate fooled), the
+    worker's own check refuses it: its prompts end with a typed error naming kv_cache."""
+    prompts, _ = make_prompts(seed=4)
+    llm.engine.add_request("late", prompts[0], GREEDY)
+    llm.engine.worker.release_kv_cache()
+    worker_type = type(llm.engine.worker)
+    monkeypatch.setattr(worker_type, "is_ready", property(lambda self: True))  # the gate only
+    try:
         with pytest.raises(Exception, match="kv_cache") as failure:
-            llm.engine.step()
+            for _ in range(3):  # under async scheduling the first step only launches
+                llm.engine.step()
         assert failure.value.request_ids == ["late"]
     finally:
+        monkeypatch.undo()
         llm.wake_up(["kv_cache"])
         llm.reset_prefix_cache()
     while llm.engine.has_unfinished_requests():
