@@ -128,7 +128,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not isinstance(sampling_params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams")
-        self.worker.check_ready()
+        if not self.scheduler.is_paused:  # paused: it queues for the resume, even mid-update
+            self.worker.check_ready()
         text, token_ids = self.processor.encode(prompt, sampling_params.truncate_prompt_tokens)
         self.processor.check(sampling_params)
         kv_params = sampling_params.kv_transfer_params
@@ -443,7 +444,8 @@ class LLMEngine:
         `clear_cache` (their KV and the prefix cache dropped: recomputed on resume with the
         weights then loaded), or running requests that are not scheduled when not (their KV,
         from the weights of before, stays: an approximation). New requests queue until
-        `resume_generation()`; `update_weights` is allowed while paused.
+        `resume_generation()`, also while the weights are asleep or half written (vLLM's
+        pause blocks them the same way); `update_weights` is allowed while paused.
         """
         mode = check_sleep_mode(mode)
         outputs = [] if mode == "keep" else self._end_requests(mode)

@@ -12,6 +12,7 @@ from rollout_engine import (
     LLM,
     DeviceOutOfMemoryError,
     EngineBusyError,
+    EngineSleepingError,
     RequestOutputKind,
     SamplingParams,
 )
@@ -107,6 +108,28 @@ def test_kept_requests_survive_a_level_2_sleep_and_an_update(llm, llama_dir, new
         engine.wake_up(["kv_cache"])  # awake with valid weights: they go on by themselves
 
     check_old_then_new(generate_across_a_switch(engine, train_phase), llama_dir, new_dir)
+
+
+def test_a_request_sent_during_the_pause_waits_for_the_new_weights(llm, new_dir):
+    """While paused, a new request queues even with the weights asleep or half written (as
+    TRL's async rollout worker keeps posting across a weight sync); it runs after the resume,
+    all of it with the new weights. Unpaused, the same request is refused."""
+    engine = llm.engine
+    engine.sleep(level=1)
+    with pytest.raises(EngineSleepingError):
+        add(engine, PROMPTS[:1])
+    engine.pause_generation("keep")
+    ids = add(engine, PROMPTS[:1])
+    engine.wake_up(["weights"])
+    engine.update_weights(load_file(str(new_dir / "model.safetensors")))
+    engine.wake_up(["kv_cache"])
+    assert engine.step() == []  # still paused
+    engine.resume_generation()
+    outputs = {}
+    step_until(engine, lambda: len(outputs) == 1, outputs)
+    completion = outputs[ids[0]].outputs[0]
+    assert completion.token_ids == hf_greedy(str(new_dir), PROMPTS[0], MAX_TOKENS)
+    assert completion.weight_versions == [WeightVersionSpan(1, 0, MAX_TOKENS)]
 
 
 def test_keeping_the_cache_recomputes_nothing(llm):

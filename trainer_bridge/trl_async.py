@@ -1,0 +1,158 @@
+"""The rollout engine behind TRL's AsyncGRPOTrainer: rollouts over HTTP, weights over gRPC.
+
+AsyncGRPOTrainer generates with a rollout worker (a child process) that posts to a `vllm
+serve` HTTP API (`/v1/completions` with token ids and `logprobs=0`, `/v1/models`, `/health`)
+at `AsyncGRPOConfig.vllm_server_base_url`, while training goes on; every `weight_sync_steps`
+it calls its `WeightTransferProtocol`: `pause()`, `send_weights(iterator)`, `resume()`.
+`rollout-engine serve --http-port` answers that HTTP API, and `EngineWeightTransfer` is the
+protocol over the engine's gRPC transports (stream, shm, cuda_ipc) instead of vLLM's NCCL
+group. Its pause keeps the requests in flight (`pause_generation("keep")`): they go on with
+the new weights after the sync instead of being aborted, so a rollout may span two versions.
+
+    from trainer_bridge.trl_async import EngineAsyncGRPOTrainer
+    trainer = EngineAsyncGRPOTrainer(
+        model=model_dir, reward_funcs=reward, train_dataset=dataset, engine="127.0.0.1:50051",
+        args=AsyncGRPOConfig(..., vllm_server_base_url="http://127.0.0.1:8000"))
+    trainer.train()
+
+The HTTP API must take requests without an API key (TRL's worker sends none): serve it on
+loopback without `--api-key`. The worker needs `aiohttp`; vLLM itself is not needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from trl.experimental.async_grpo import AsyncGRPOTrainer, async_rollout_worker
+
+from trainer_bridge.client import EngineClient
+from trainer_bridge.transports import WeightManifest, named_tensors
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WeightSync:
+    """One sync as the engine saw it."""
+
+    weight_version: int
+    """The engine's weight version after the update."""
+    num_kept_requests: int
+    """Requests in flight at the pause, kept (not aborted) across the update."""
+
+
+class EngineWeightTransfer:
+    """TRL's `WeightTransferProtocol` (AsyncGRPOTrainer's `weight_transfer`) over gRPC.
+
+    `pause` freezes generation with the requests in flight kept (their KV dropped, so they
+    are recomputed with the new weights), `send_weights` streams the trainer's (Hugging Face
+    named) parameters with `EngineClient.update_weights`, `resume` lets the kept requests
+    go on. The first sync reads the trainer's iterator into a list to learn the manifest;
+    later ones stream it one tensor at a time against that manifest.
+    """
+
+    def __init__(
+        self,
+        engine: EngineClient | str,
+        *,
+        auth_token: str | None = None,
+        transport: str = "auto",
+        weight_dtype: torch.dtype | Literal["engine"] | None = None,
+        ready_timeout_s: float = 60.0,
+    ) -> None:
+        self._owns_client = isinstance(engine, str)
+        self._auth_token = auth_token
+        self.client = EngineClient(engine, auth_token=auth_token) if self._owns_client else engine
+        self.transport = transport
+        self.weight_dtype = weight_dtype
+        """Cast the weights to this dtype as they are sent ("engine": the engine's dtype)."""
+        self.ready_timeout_s = ready_timeout_s
+        self.syncs: list[WeightSync] = []
+        """Every completed sync, in order."""
+        self._manifest: WeightManifest | None = None
+        self._num_kept_requests = 0
+
+    # ------------------------------------------------------------ WeightTransferProtocol
+    def init_weight_transfer(self) -> None:
+        """Wait for the engine; resolve `weight_dtype="engine"`."""
+        self.client.wait_until_ready(self.ready_timeout_s)
+        if self.weight_dtype == "engine":
+            self.weight_dtype = getattr(torch, self.client.info().dtype)
+
+    def pause(self) -> None:
+        self._num_kept_requests = self.client.pause_generation("keep")
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        dtype = self.weight_dtype if isinstance(self.weight_dtype, torch.dtype) else None
+        weights: Iterable[tuple[str, torch.Tensor]] = iterator
+        if self._manifest is None:
+            weights = named_tensors(iterator)
+            self._manifest = WeightManifest.of(weights)
+            self._check_dtype(self._manifest, dtype)
+        version = self.client.update_weights(weights, transport=self.transport,
+                                             manifest=self._manifest, dtype=dtype)
+        self.syncs.append(WeightSync(version, self._num_kept_requests))
+
+    def resume(self) -> None:
+        self.client.resume_generation()
+
+    def destroy(self) -> None:
+        """Close a client this transfer opened (its channel, its shared-memory buckets); a
+        fresh channel, idle until used, takes its place for a later `train()`."""
+        if self._owns_client:
+            self.client.close()
+            self.client = EngineClient(self.client.address, auth_token=self._auth_token)
+
+    # --------------------------------------------------------------------------- internals
+    def _check_dtype(self, manifest: WeightManifest, dtype: torch.dtype | None) -> None:
+        """Refuse at the first sync, with the fix, weights the engine would refuse."""
+        if dtype is not None:
+            return
+        engine_dtype = self.client.info().dtype
+        dtypes = {str(m.dtype).removeprefix("torch.") for m in manifest.tensors
+                  if m.dtype.is_floating_point}
+        if dtypes - {engine_dtype}:
+            raise ValueError(
+                f"the trainer's weights are {sorted(dtypes)} but the engine serves "
+                f"{engine_dtype}; set AsyncGRPOConfig(dtype={engine_dtype!r}), pass "
+                f"weight_dtype='engine' to cast them as they are sent, or serve the engine "
+                f"with --dtype {min(dtypes)}"
+            )
+
+
+class EngineAsyncGRPOTrainer(AsyncGRPOTrainer):
+    """`AsyncGRPOTrainer` whose weights go to the engine through an `EngineWeightTransfer`
+    (`weight_transfer`, or one built for `engine`: a gRPC address or client); TRL's own
+    rollout worker generates over the engine's HTTP API at `args.vllm_server_base_url`."""
+
+    def __init__(
+        self,
+        *args: Any,
+        engine: EngineClient | str | None = None,
+        weight_transfer: EngineWeightTransfer | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if (engine is None) == (weight_transfer is None):
+            raise TypeError("pass either `engine` (a gRPC address or EngineClient) or "
+                            "`weight_transfer` (an EngineWeightTransfer), not both")
+        if weight_transfer is None:
+            weight_transfer = EngineWeightTransfer(engine)
+        with _rollout_worker_without_vllm():
+            super().__init__(*args, weight_transfer=weight_transfer, **kwargs)
+
+
+@contextlib.contextmanager
+def _rollout_worker_without_vllm() -> Iterator[None]:
+    """TRL's AsyncRolloutWorker refuses to be built without vLLM installed, though it only
+    speaks HTTP (aiohttp) to the server: let it be built against this engine."""
+    check = async_rollout_worker.is_vllm_available
+    async_rollout_worker.is_vllm_available = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        async_rollout_worker.is_vllm_available = check
