@@ -46,3 +46,14 @@ def left_padded(prompts: list[list[int]]):
         input_ids[i, max_len - len(p):] = torch.tensor(p)
         mask[i, max_len - len(p):] = 1
     return input_ids, mask
+
+
+def kv_bytes_per_token(model_dir: str, dtype_bytes: int) -> int:
+    """KV cache bytes one token takes in a model of uniform layers (K and V, every layer)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads)
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * num_kv_heads * head_dim * dtype_bytes

@@ -10,7 +10,7 @@ GRPO step by starting more prompt groups than the step needs and taking the firs
         with colocation.training():
             ...                                       # train on batch.groups
         # the groups still running were kept across the sleep: they go on with the new
-        # weights and come back first, with their mixed weight versions, at the next collect
+        # weights and, once complete, come back first, with their mixed weight versions
 
 Each call keeps `oversample x num_groups` groups in flight (new prompts are drawn from the
 iterator as groups are returned) and returns as soon as `num_groups` groups are complete (all
@@ -90,7 +90,8 @@ class _InFlight:
 
 class PartialRollouts:
     """Keeps `oversample x num_groups` prompt groups generating on one engine; `collect`
-    returns whole groups, those started by earlier calls first (see the module's docstring).
+    returns the first whole groups to complete, those started by earlier calls first (see the
+    module's docstring).
 
     `prompts` yields `(key, prompt)` pairs, `(key, prompt, sampling_params)` triples (a prompt's
     own parameters, say its `max_tokens`), or bare prompts (their index as the key).
@@ -126,14 +127,14 @@ class PartialRollouts:
         return len(self._running) + len(self._completed)
 
     def collect(self, num_groups: int) -> RolloutBatch:
-        """`num_groups` whole groups: first those started by earlier calls (the furthest along
-        and the most off-policy, kept through the training phase), then the first new ones to
-        complete. New groups start only here, up to `oversample x num_groups` in flight; what
-        is left when this returns runs on and is returned by the next call."""
+        """`num_groups` whole groups, as soon as that many are complete. Among the complete
+        ones, those started by earlier calls (kept through the training phase: the most
+        off-policy) go first. A long group is never waited for: it runs on, step after step,
+        until it completes (slime's APRIL recycles its partial rollouts the same way). New
+        groups start only here, up to `oversample x num_groups` in flight."""
         self._num_calls += 1
-        num_carried = self.num_in_flight
         self._refill(round(self.oversample * num_groups))
-        while self._running and not self._can_return(num_groups):
+        while self._running and len(self._completed) < num_groups:
             group, error = self._done.get()
             self._running.remove(group)
             if error is not None:
@@ -142,7 +143,7 @@ class PartialRollouts:
         ready = sorted(self._completed, key=lambda g: g.started_at_call)[:num_groups]
         self._completed = [g for g in self._completed if g not in ready]
         return RolloutBatch([self._group(g) for g in ready], self.client.info().weight_version,
-                            min(num_carried, len(ready)))
+                            sum(g.started_at_call < self._num_calls for g in ready))
 
     def join(self, timeout_s: float | None = None) -> None:
         """Wait for the calls still running (e.g. after aborting them on the engine)."""
@@ -150,14 +151,6 @@ class PartialRollouts:
             thread.join(timeout_s)
 
     # ------------------------------------------------------------------------ internals
-    def _can_return(self, num_groups: int) -> bool:
-        """Enough groups completed, and every earlier call's group that ranks among them."""
-        num_carried_done = sum(g.started_at_call < self._num_calls for g in self._completed)
-        num_carried = num_carried_done + sum(
-            g.started_at_call < self._num_calls for g in self._running)
-        return (len(self._completed) >= num_groups
-                and num_carried_done >= min(num_carried, num_groups))
-
     def _refill(self, target: int) -> None:
         while self.num_in_flight < target:
             try:
