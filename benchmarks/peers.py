@@ -72,7 +72,9 @@ class VllmServer:
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
         self._log = open(log_path or os.devnull, "w")  # noqa: SIM115 - lives with the server
         self.process = subprocess.Popen(
-            [str(VLLM_PYTHON.parent / "vllm"), "serve", model_dir,
+            # The `vllm` script looks up a distribution named "vllm" (this one is "vllm-cpu"):
+            # its API server module takes `vllm serve`'s options.
+            [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
              "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
              "--max-model-len", str(max_model_len),
              "--max-num-batched-tokens", str(max_num_batched_tokens),
