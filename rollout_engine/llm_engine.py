@@ -443,7 +443,8 @@ class LLMEngine:
         freezes it. Kept requests are, in ledger terms, preempted by recompute when
         `clear_cache` (their KV and the prefix cache dropped: recomputed on resume with the
         weights then loaded), or running requests that are not scheduled when not (their KV,
-        from the weights of before, stays: an approximation). New requests queue until
+        from the weights of before, stays: an approximation). With "abort" and "wait",
+        `clear_cache` resets the prefix cache (as vLLM's does). New requests queue until
         `resume_generation()`, also while the weights are asleep or half written (vLLM's
         pause blocks them the same way); `update_weights` is allowed while paused.
         """
@@ -451,8 +452,9 @@ class LLMEngine:
         outputs = [] if mode == "keep" else self._end_requests(mode)
         self._land_all()  # returns once no step runs; nothing is scheduled after this
         self.scheduler.is_paused = True
-        if mode == "keep" and clear_cache:
-            self.scheduler.preempt_all_running()
+        if clear_cache:  # with "abort" and "wait" nothing is left in flight: the cache only
+            if mode == "keep":
+                self.scheduler.preempt_all_running()
             self.reset_prefix_cache()
         return outputs
 

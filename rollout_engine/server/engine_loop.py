@@ -64,6 +64,17 @@ class _Drain:
     done: concurrent.futures.Future[int]
 
 
+@dataclass
+class _HeldAdd:
+    """Requests that came during a PauseGeneration "wait" drain: added once it paused (they
+    then queue for the resume, as vLLM's pause queues them), so the drain can end."""
+
+    requests: list[tuple[str, str | list[int], SamplingParams]]
+    sink: OutputSink
+    prompt_logprobs_from: Sequence[int] | None
+    done: concurrent.futures.Future[None]
+
+
 class EngineLoop:
     """Every engine call happens on this thread; handlers talk to it through `call`.
 
@@ -79,6 +90,7 @@ class EngineLoop:
         )
         self._sinks: dict[str, OutputSink] = {}
         self._drains: list[_Drain] = []
+        self._held: list[_HeldAdd] = []
         self._is_stopping = False
         self._crash: BaseException | None = None
         self._busy_since_s: float | None = None  # monotonic start of the running step/command
@@ -122,11 +134,13 @@ class EngineLoop:
         """Add all requests or none: if one is refused, those already added are aborted.
         `prompt_logprobs_from`: per request, the first prompt position whose logprobs it asks
         for (scoring); None: every position but the first."""
-        await self.call(self._add_requests, requests, sink, prompt_logprobs_from)
+        held = await self.call(self._add_requests, requests, sink, prompt_logprobs_from)
+        if held is not None:  # during a pause drain: added once paused
+            await asyncio.wrap_future(held, loop=self._loop)
 
     def abort(self, request_ids: list[str]) -> None:
         """Fire and forget: safe from a cancelled handler's `finally`."""
-        self.submit(lambda: self.engine.abort_request(request_ids))
+        self.submit(lambda: self._abort(request_ids))
 
     async def call_ending_requests(self, fn: Callable[[], list[RequestOutput]]) -> int:
         """Run an engine call that ends requests (sleep, release); their final outputs reach
@@ -139,10 +153,11 @@ class EngineLoop:
         sleep = functools.partial(self.engine.sleep, level, mode="abort")
         return await self._after_drain(sleep, "sleep")
 
-    async def pause_after_drain(self) -> int:
+    async def pause_after_drain(self, clear_cache: bool = True) -> int:
         """Pause once every prompt in flight now has finished (PauseGeneration "wait"); new
-        prompts are refused meanwhile. Returns how many prompts were drained."""
-        pause = functools.partial(self.engine.pause_generation, "abort")
+        prompts are held meanwhile and queue for the resume once paused. Returns how many
+        prompts were drained."""
+        pause = functools.partial(self.engine.pause_generation, "abort", clear_cache)
         return await self._after_drain(pause, "pause")
 
     async def _after_drain(self, then: Callable[[], Any], what: str) -> int:
@@ -173,6 +188,8 @@ class EngineLoop:
                 self._loop.call_soon_threadsafe(_deliver, [(s, error) for s in sinks.values()])
             for drain in self._drains:
                 drain.done.set_exception(error)
+            for held in self._held:
+                held.done.set_exception(error)
             self._fail_commands()
 
     def _run(self) -> None:
@@ -237,17 +254,27 @@ class EngineLoop:
         requests: list[tuple[str, str | list[int], SamplingParams]],
         sink: OutputSink,
         prompt_logprobs_from: Sequence[int] | None,
-    ) -> None:
+    ) -> concurrent.futures.Future[None] | None:
+        """Add the requests now, or, during a pause drain, hold them: the future then says
+        when they were added (or why not)."""
         if self._drains and self._drains[0].what == "sleep":
             raise EngineSleepingError(
                 "the engine is draining its requests to go to sleep (Sleep with mode 'wait'); "
                 "wake it up after the sleep, then generate"
             )
         if self._drains:
-            raise EngineBusyError(
-                "the engine is draining its requests to pause (PauseGeneration with mode "
-                "'wait'); send new requests once it is paused (they wait for the resume)"
-            )
+            held = _HeldAdd(requests, sink, prompt_logprobs_from, concurrent.futures.Future())
+            self._held.append(held)
+            return held.done
+        self._add_now(requests, sink, prompt_logprobs_from)
+        return None
+
+    def _add_now(
+        self,
+        requests: list[tuple[str, str | list[int], SamplingParams]],
+        sink: OutputSink,
+        prompt_logprobs_from: Sequence[int] | None,
+    ) -> None:
         added: list[str] = []
         try:
             for i, (request_id, prompt, sampling_params) in enumerate(requests):
@@ -262,6 +289,27 @@ class EngineLoop:
         for request_id in added:
             self._sinks[request_id] = sink
         self.num_requests_total += len(added)
+
+    def _add_held(self) -> None:
+        """Once no drain is left: add what came during the pause drains."""
+        held, self._held = self._held, []
+        for add in held:
+            if not add.done.set_running_or_notify_cancel():
+                continue  # aborted while held
+            try:
+                self._add_now(add.requests, add.sink, add.prompt_logprobs_from)
+            except Exception as exc:  # noqa: BLE001 - the caller's error
+                add.done.set_exception(exc)
+            else:
+                add.done.set_result(None)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        aborted = set(request_ids)
+        for add in self._held:
+            if aborted & {request_id for request_id, _, _ in add.requests}:
+                add.done.cancel()  # its caller has gone; never added
+        self._held = [add for add in self._held if not add.done.cancelled()]
+        self.engine.abort_request(request_ids)
 
     def _call_ending_requests(self, fn: Callable[[], list[RequestOutput]]) -> int:
         outputs = fn() or []
@@ -293,6 +341,8 @@ class EngineLoop:
                 drain.done.set_exception(exc)
             else:
                 drain.done.set_result(len(drain.request_ids))
+        if self._held:
+            self._add_held()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand each output to its sink with one wake-up of the event loop per step."""

@@ -146,13 +146,13 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
         mode = check_sleep_mode(request.mode or "abort")
         clear_cache = request.clear_cache if request.HasField("clear_cache") else True
         if mode == "wait":
-            num_drained = await self.engine_loop.pause_after_drain()
+            num_drained = await self.engine_loop.pause_after_drain(clear_cache)
             return pb.PauseGenerationResponse(num_drained_requests=num_drained)
         if mode == "keep":
             num_kept = await self.engine_loop.call(self._keep_while, functools.partial(
                 self.engine.pause_generation, "keep", clear_cache))
             return pb.PauseGenerationResponse(num_kept_requests=num_kept)
-        pause = functools.partial(self.engine.pause_generation, "abort")
+        pause = functools.partial(self.engine.pause_generation, "abort", clear_cache)
         num_aborted = await self.engine_loop.call_ending_requests(pause)
         return pb.PauseGenerationResponse(num_aborted_requests=num_aborted)
 

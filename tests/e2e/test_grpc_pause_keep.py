@@ -101,3 +101,39 @@ def test_streams_kept_across_a_level_2_sleep_go_on_with_the_new_weights(
     for received, prompt in zip(snapshots, PROMPTS):
         check_switch(received[-1].outputs[0], prompt, llama_dir, new_dir, old_version)
     assert client.info().num_free_blocks == client.info().num_blocks
+
+
+def test_a_request_sent_during_a_wait_pause_runs_after_the_resume(client, llama_dir):
+    """PauseGeneration("wait") drains what is in flight; a Generate sent meanwhile is neither
+    refused nor scheduled (the drain would never end): it queues, and runs after the resume
+    (vLLM's pause queues it the same way). One cancelled by its caller while held never runs."""
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    results: dict[str, object] = {}
+    reader = threading.Thread(target=lambda: results.update(
+        drained_stream=list(client.generate_stream(PROMPTS[0], long, timeout=120))))
+    reader.start()
+    while not client.info().num_unfinished_requests:
+        time.sleep(0.002)
+    pause = threading.Thread(target=lambda: results.update(
+        drained=client.pause_generation("wait")))
+    pause.start()
+    time.sleep(0.05)
+    late = threading.Thread(target=lambda: results.update(
+        late=client.generate([PROMPTS[1]], GREEDY, timeout=120)[0]))
+    late.start()
+    with pytest.raises(Exception, match="(?i)deadline"):  # its caller gives up while held
+        client.generate([PROMPTS[1]], GREEDY, timeout=0.3)
+    assert reader.is_alive() and pause.is_alive()  # both were sent during the drain
+    pause.join(120)
+    reader.join(120)
+    assert results["drained"] == 1
+    assert results["drained_stream"][-1].outputs[0].finish_reason == "length"
+    time.sleep(0.2)
+    assert client.is_paused() and "late" not in results  # queued, not run
+    assert client.info().num_unfinished_requests == 1  # the cancelled one was never added
+    client.resume_generation()
+    late.join(60)
+    assert results["late"].outputs[0].token_ids == hf_greedy(str(llama_dir), PROMPTS[1],
+                                                             MAX_TOKENS)
+    assert client.info().num_unfinished_requests == 0
+    assert client.info().num_free_blocks == client.info().num_blocks

@@ -230,3 +230,15 @@ def test_pause_modes_abort_and_wait_and_what_a_paused_engine_refuses(llm):
     engine.resume_generation()
     assert llm.generate([PROMPTS[1]], GREEDY)[0].outputs[0].weight_versions == [
         WeightVersionSpan(0, 0, MAX_TOKENS)]
+
+
+@pytest.mark.parametrize("clear_cache", [True, False])
+def test_clear_cache_on_an_abort_or_wait_pause_resets_the_prefix_cache(llm, clear_cache):
+    engine = llm.engine
+    llm.generate([PROMPTS[2]], GREEDY)
+    engine.pause_generation("wait", clear_cache=clear_cache)
+    engine.resume_generation()
+    hits_before = engine.stats()["num_prefix_hit_tokens"]
+    llm.generate([PROMPTS[2]], GREEDY)
+    hit = engine.stats()["num_prefix_hit_tokens"] > hits_before
+    assert hit is not clear_cache

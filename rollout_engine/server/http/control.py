@@ -118,13 +118,13 @@ async def pause(request: Request, mode: str = "abort", clear_cache: bool = True)
     ctx = serving(request)
     mode = check_sleep_mode(mode)
     if mode == "wait":
-        await ctx.engine_loop.pause_after_drain()
+        await ctx.engine_loop.pause_after_drain(clear_cache)
     elif mode == "keep":
         await ctx.engine_loop.call(
             functools.partial(ctx.engine.pause_generation, "keep", clear_cache))
     else:
         await ctx.engine_loop.call_ending_requests(
-            functools.partial(ctx.engine.pause_generation, "abort"))
+            functools.partial(ctx.engine.pause_generation, "abort", clear_cache))
     return json_response({"status": "paused"})
 
 
