@@ -88,6 +88,8 @@ def parse_args() -> argparse.Namespace:
                         help="log-normal sigma of the lengths (the tail's weight)")
     parser.add_argument("--cap", type=int, default=2048, help="most new tokens of a group")
     parser.add_argument("--oversample", type=float, nargs="+", default=[1.5, 2.0])
+    parser.add_argument("--max-staleness", type=int,
+                        help="PartialRollouts' max_staleness (default: no bound)")
     parser.add_argument("--train-s", type=float, default=1.0, help="fixed training phase")
     parser.add_argument("--sleep-level", type=int, default=1, choices=[1, 2])
     parser.add_argument("--kv-cache-mib", type=int,
@@ -230,7 +232,8 @@ def run_partial(client: EngineClient, weights, stream: Iterator[Group],
     def rollout(clock: GroupClock):
         if not rollouts:
             rollouts.append(PartialRollouts(clock, stream, SamplingParams(n=args.n),
-                                            oversample=oversample))
+                                            oversample=oversample,
+                                            max_staleness=args.max_staleness))
         batch = rollouts[0].collect(args.num_groups)
         return batch.groups, batch.weight_version, batch.num_carried_over
 

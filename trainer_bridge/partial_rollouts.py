@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rollout_engine.protocol import CompletionOutput, RequestOutput, SamplingParams
+from trainer_bridge.client import CallCancel
 
 if TYPE_CHECKING:
     from trainer_bridge.client import EngineClient
@@ -86,6 +87,9 @@ class _InFlight:
     """The `collect` call that started it."""
     completions: list[CompletionOutput] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
+    cancel: CallCancel = field(default_factory=CallCancel)
+    is_dropped: bool = False
+    """Restarted as too stale: its call's end is ignored."""
 
 
 class PartialRollouts:
@@ -97,6 +101,13 @@ class PartialRollouts:
     own parameters, say its `max_tokens`), or bare prompts (their index as the key).
     Each group runs as its own GenerateBatch call on a thread of this object; a group whose
     call fails makes `collect` raise its error.
+
+    `max_staleness` bounds how off-policy a group may get (AReaL's `max_head_offpolicyness`,
+    counted in `collect` calls, one per weight update in a colocated loop): a group still
+    running when `collect` is called more than `max_staleness` calls after the one that
+    started it is cancelled on the engine and its prompt starts anew, so every returned
+    group's tokens span at most `max_staleness + 1` weight versions. None: no bound; 0: no
+    group crosses a training phase (oversampling only).
     """
 
     def __init__(
@@ -106,13 +117,19 @@ class PartialRollouts:
         sampling_params: SamplingParams,
         oversample: float = 2.0,
         timeout_s: float | None = None,
+        max_staleness: int | None = None,
     ) -> None:
         if oversample < 1.0:
             raise ValueError(f"oversample must be >= 1, got {oversample}")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, got {max_staleness}")
         self.client = client
         self.sampling_params = sampling_params
         self.oversample = oversample
         self.timeout_s = timeout_s
+        self.max_staleness = max_staleness
+        self.num_restarted = 0
+        """Groups restarted for `max_staleness` so far."""
         self._prompts = _keyed(prompts)
         self._done: queue.Queue[tuple[_InFlight, BaseException | None]] = queue.Queue()
         self._running: list[_InFlight] = []
@@ -133,9 +150,12 @@ class PartialRollouts:
         until it completes (slime's APRIL recycles its partial rollouts the same way). New
         groups start only here, up to `oversample x num_groups` in flight."""
         self._num_calls += 1
+        self._restart_stale()
         self._refill(round(self.oversample * num_groups))
         while self._running and len(self._completed) < num_groups:
             group, error = self._done.get()
+            if group.is_dropped:
+                continue
             self._running.remove(group)
             if error is not None:
                 raise error
@@ -151,18 +171,32 @@ class PartialRollouts:
             thread.join(timeout_s)
 
     # ------------------------------------------------------------------------ internals
+    def _restart_stale(self) -> None:
+        if self.max_staleness is None:
+            return
+        for group in list(self._running):
+            if self._num_calls - group.started_at_call > self.max_staleness:
+                group.is_dropped = True
+                group.cancel.cancel()  # the server aborts its requests, frozen or not
+                self._running.remove(group)
+                self._start(group.key, group.prompt, group.sampling_params)
+                self.num_restarted += 1
+
     def _refill(self, target: int) -> None:
         while self.num_in_flight < target:
             try:
                 key, prompt, params = next(self._prompts)
             except StopIteration:
                 return
-            group = _InFlight(key, prompt, params or self.sampling_params, self._num_calls)
-            thread = threading.Thread(target=self._run, args=(group,), daemon=True,
-                                      name=f"partial-rollout-{key}")
-            self._running.append(group)
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-            thread.start()
+            self._start(key, prompt, params or self.sampling_params)
+
+    def _start(self, key: Any, prompt: Prompt, params: SamplingParams) -> None:
+        group = _InFlight(key, prompt, params, self._num_calls)
+        thread = threading.Thread(target=self._run, args=(group,), daemon=True,
+                                  name=f"partial-rollout-{key}")
+        self._running.append(group)
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
 
     def _run(self, group: _InFlight) -> None:
         """One group's GenerateBatch call; its completions arrive together (when its last
@@ -170,7 +204,8 @@ class PartialRollouts:
         error: BaseException | None = None
         try:
             for _, prompt_ids, completion in self.client.iter_completions(
-                [group.prompt], group.sampling_params, timeout=self.timeout_s
+                [group.prompt], group.sampling_params, timeout=self.timeout_s,
+                cancel=group.cancel,
             ):
                 group.prompt_token_ids += prompt_ids
                 group.completions.append(completion)

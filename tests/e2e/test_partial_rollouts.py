@@ -71,3 +71,39 @@ def test_long_groups_run_through_training_and_return_with_both_versions(
         rollouts.collect(num_groups=10)  # drain what is left
         assert rollouts.num_in_flight == 0
         assert client.info().num_free_blocks == client.info().num_blocks
+
+
+def test_a_group_older_than_max_staleness_restarts_with_the_new_weights(
+    server, llama_dir, other_model_dirs
+):
+    """max_staleness=1: a long group may cross one training phase, not two; at the third
+    collect it is cancelled on the engine (its blocks freed) and its prompt starts anew, so
+    what comes back was sampled by one policy only."""
+    new_dir = other_model_dirs[1]
+    long_prompt = [3, 14, 15, 92]
+    prompts = [("long", long_prompt, greedy(LONG)), ("short-a", [27, 18, 28], greedy(SHORT)),
+               ("short-b", [11, 12], greedy(SHORT)), ("short-c", [40, 41, 42], greedy(SHORT))]
+    with EngineClient(server.address, timeout=60) as client:
+        colocation = Colocation(client, sleep_level=1, sleep_mode="keep")
+        rollouts = PartialRollouts(client, iter(prompts), greedy(SHORT), oversample=2.0,
+                                   max_staleness=1)
+        keys = []
+        for weights in (None, None, load_file(str(new_dir / "model.safetensors"))):
+            with colocation.rollout(weights=weights):
+                keys += [g.key for g in rollouts.collect(num_groups=1).groups]
+            with colocation.training():
+                pass
+        assert keys == ["short-a", "short-b", "short-c"] and rollouts.num_restarted == 1
+        with colocation.rollout():
+            (restarted,) = rollouts.collect(num_groups=1).groups
+        version = client.info().weight_version
+        assert restarted.key == "long" and rollouts.num_in_flight == 0
+        for completion in restarted.output.outputs:
+            assert [(s.version, s.start, s.end) for s in completion.weight_versions] == [
+                (version, 0, LONG)]
+            assert completion.token_ids == hf_greedy(str(new_dir), long_prompt, LONG)
+        assert client.info().num_unfinished_requests == 0
+        assert client.info().num_free_blocks == client.info().num_blocks
+        colocation.sync_weights(load_file(str(llama_dir / "model.safetensors")))
+    with pytest.raises(ValueError, match="max_staleness"):
+        PartialRollouts(client, iter(prompts), greedy(SHORT), max_staleness=-1)
