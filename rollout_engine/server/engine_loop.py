@@ -186,10 +186,9 @@ class EngineLoop:
             self._sinks.clear()
             if sinks:
                 self._loop.call_soon_threadsafe(_deliver, [(s, error) for s in sinks.values()])
-            for drain in self._drains:
-                drain.done.set_exception(error)
-            for held in self._held:
-                held.done.set_exception(error)
+            for waiting in [*self._drains, *self._held]:
+                if not waiting.done.cancelled():  # a caller that has gone cancelled its own
+                    waiting.done.set_exception(error)
             self._fail_commands()
 
     def _run(self) -> None:
@@ -257,6 +256,7 @@ class EngineLoop:
     ) -> concurrent.futures.Future[None] | None:
         """Add the requests now, or, during a pause drain, hold them: the future then says
         when they were added (or why not)."""
+        self._drains = [d for d in self._drains if not d.done.cancelled()]  # callers gone
         if self._drains and self._drains[0].what == "sleep":
             raise EngineSleepingError(
                 "the engine is draining its requests to go to sleep (Sleep with mode 'wait'); "
@@ -332,9 +332,14 @@ class EngineLoop:
         """Run the sleep or pause of every drain whose prompts have all finished."""
         while self._drains:
             drain = self._drains[0]
+            if drain.done.cancelled():  # its caller has gone: nothing is paused or slept
+                self._drains.pop(0)
+                continue
             if drain.request_ids & set(self.engine.unfinished_request_ids):
                 return
             self._drains.pop(0)
+            if not drain.done.set_running_or_notify_cancel():
+                continue  # cancelled just now
             try:
                 self._call_ending_requests(drain.then)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller

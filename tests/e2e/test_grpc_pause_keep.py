@@ -137,3 +137,29 @@ def test_a_request_sent_during_a_wait_pause_runs_after_the_resume(client, llama_
                                                              MAX_TOKENS)
     assert client.info().num_unfinished_requests == 0
     assert client.info().num_free_blocks == client.info().num_blocks
+
+
+@pytest.mark.parametrize("verb", ["pause", "sleep"])
+def test_a_wait_whose_caller_gave_up_is_dropped_and_the_engine_serves(client, server, llama_dir,
+                                                                      verb):
+    """PauseGeneration or Sleep with mode "wait" whose caller goes away (deadline) while it
+    drains: nothing is paused or put to sleep when the drain ends, and the engine serves."""
+    long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    results: dict[str, object] = {}
+    reader = threading.Thread(target=lambda: results.update(
+        stream=list(client.generate_stream(PROMPTS[0], long, timeout=120))))
+    reader.start()
+    while not client.info().num_unfinished_requests:
+        time.sleep(0.002)
+    with (EngineClient(server.address, timeout=0.2) as hasty,
+          pytest.raises(Exception, match="(?i)deadline")):
+        if verb == "pause":
+            hasty.pause_generation("wait")
+        else:
+            hasty.sleep(level=1, mode="wait")
+    assert reader.is_alive()  # it gave up during the drain
+    reader.join(120)
+    assert results["stream"][-1].outputs[0].finish_reason == "length"
+    assert not client.is_paused() and not client.memory_state().is_sleeping
+    (output,) = client.generate([PROMPTS[1]], GREEDY)
+    assert output.outputs[0].token_ids == hf_greedy(str(llama_dir), PROMPTS[1], MAX_TOKENS)
