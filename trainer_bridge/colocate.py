@@ -27,6 +27,7 @@ from rollout_engine.protocol import (
     SleepMode,
     check_sleep_mode,
 )
+from trainer_bridge.partial_rollouts import PartialRollouts
 from trainer_bridge.timeline import MemoryTimeline
 from trainer_bridge.transports import ManifestMismatchError, WeightManifest
 
@@ -94,7 +95,9 @@ class Colocation:
 
     `sleep_level` 2 discards weights and KV while the trainer trains (weights must be pushed
     before the next rollout), 1 offloads weights to host memory and discards KV, None never
-    sleeps (the baseline the other two are measured against).
+    sleeps (the baseline the other two are measured against). `sleep_mode` says what becomes
+    of requests in flight at the sleep; with "keep" they survive it and the weight push (a
+    push to an awake engine pauses them around it), which `partial_rollouts` relies on.
     """
 
     def __init__(
@@ -205,11 +208,32 @@ class Colocation:
             self._verb("wake_weights", self.client.wake_up, [WEIGHTS_TAG])
             self.is_weights_awake = True
         with self._phase("weight_sync"):
-            self.weight_version = self._push(weights)
+            if self.sleep_mode == "keep" and self.is_kv_awake:
+                # Requests may be in flight (never slept, or several calls per rollout): they
+                # are frozen for the push and go on with the new weights.
+                self.client.pause_generation("keep")
+                try:
+                    self.weight_version = self._push(weights)
+                finally:
+                    self.client.resume_generation()
+            else:
+                self.weight_version = self._push(weights)
         self.num_weight_pushes += 1
         self._verb("reset_prefix_cache", self.client.reset_prefix_cache)
         self.needs_weights = self.is_weights_discarded = False
         return self.weight_version
+
+    def partial_rollouts(self, prompts: Iterator, sampling_params, *, oversample: float = 2.0,
+                         max_staleness: int | None = None) -> PartialRollouts:
+        """`PartialRollouts` on this engine: more groups in flight than a step needs, the
+        unfinished ones kept through the training phase (needs `sleep_mode="keep"`)."""
+        if self.sleep_mode != "keep":
+            raise ValueError(
+                f"partial rollouts keep groups in flight through the training phase, which "
+                f"sleep_mode={self.sleep_mode!r} would end: build the Colocation with "
+                f"sleep_mode='keep'")
+        return PartialRollouts(self.client, prompts, sampling_params, oversample=oversample,
+                               max_staleness=max_staleness)
 
     def wake_kv_cache(self) -> None:
         if not self.is_kv_awake:

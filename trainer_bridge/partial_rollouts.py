@@ -2,8 +2,7 @@
 GRPO step by starting more prompt groups than the step needs and taking the first that finish.
 
     colocation = Colocation(client, sleep_level=2, sleep_mode="keep")
-    rollouts = PartialRollouts(client, prompts=iter(dataset), sampling_params=params,
-                               oversample=2.0)
+    rollouts = colocation.partial_rollouts(iter(dataset), params, oversample=2.0)
     for step in range(num_steps):
         with colocation.rollout(weights=model):
             batch = rollouts.collect(num_groups=8)   # the first 8 whole groups to finish

@@ -107,3 +107,36 @@ def test_a_group_older_than_max_staleness_restarts_with_the_new_weights(
         colocation.sync_weights(load_file(str(llama_dir / "model.safetensors")))
     with pytest.raises(ValueError, match="max_staleness"):
         PartialRollouts(client, iter(prompts), greedy(SHORT), max_staleness=-1)
+
+
+def test_an_engine_that_never_sleeps_keeps_its_groups_across_the_push(
+    server, llama_dir, other_model_dirs
+):
+    """Colocation(sleep_level=None, sleep_mode="keep"): the long group generates on through
+    the training phase, the weight push pauses it ("keep") instead of being refused, and it
+    goes on with the new weights from where it was."""
+    new_dir = other_model_dirs[2]
+    long_prompt, num_long = [3, 14, 15, 92], 200
+    prompts = [("long", long_prompt, greedy(num_long)), ("short-a", [27, 18, 28], greedy(SHORT)),
+               ("short-b", [11, 12], greedy(SHORT))]
+    with EngineClient(server.address, timeout=60) as client:
+        with pytest.raises(ValueError, match="sleep_mode='keep'"):
+            Colocation(client, sleep_level=None).partial_rollouts(iter(prompts), greedy(SHORT))
+        colocation = Colocation(client, sleep_level=None, sleep_mode="keep")
+        rollouts = colocation.partial_rollouts(iter(prompts), greedy(SHORT), oversample=2.0)
+        version = client.info().weight_version
+        with colocation.rollout():
+            assert [g.key for g in rollouts.collect(num_groups=1).groups] == ["short-a"]
+        assert client.info().num_unfinished_requests == 1  # the long group, still generating
+        with colocation.rollout(weights=load_file(str(new_dir / "model.safetensors"))):
+            groups = rollouts.collect(num_groups=2).groups
+        assert {g.key for g in groups} == {"long", "short-b"} and not client.is_paused()
+        (long,) = [g for g in groups if g.key == "long"]
+        for completion in long.output.outputs:
+            old, new = completion.weight_versions
+            assert (old.version, new.version, new.end) == (version, version + 1, num_long)
+            tokens = completion.token_ids
+            assert tokens[: old.end] == hf_greedy(str(llama_dir), long_prompt, old.end)
+            assert tokens[old.end :] == hf_greedy(str(new_dir), long_prompt + tokens[: old.end],
+                                                  num_long - old.end)
+        colocation.sync_weights(load_file(str(llama_dir / "model.safetensors")))
