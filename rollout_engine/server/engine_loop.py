@@ -24,6 +24,7 @@ from rollout_engine.protocol import (
     RequestOutputKind,
     SamplingParams,
     SleepLevel,
+    SleepMode,
     StepFailedError,
 )
 
@@ -147,18 +148,36 @@ class EngineLoop:
         the waiting streams. Returns how many prompts it ended."""
         return await self.call(self._call_ending_requests, fn)
 
-    async def sleep_after_drain(self, level: SleepLevel) -> int:
-        """Sleep once every prompt in flight now has finished; steps go on meanwhile, and new
-        prompts are refused. Returns how many prompts were drained."""
-        sleep = functools.partial(self.engine.sleep, level, mode="abort")
-        return await self._after_drain(sleep, "sleep")
+    async def sleep(self, level: SleepLevel, mode: SleepMode) -> int:
+        """Sleep with the requests in flight ended ("abort"), kept ("keep"), or first drained
+        ("wait": steps go on meanwhile, new prompts are refused). Returns how many prompts it
+        ended, kept or drained."""
+        if mode == "wait":
+            return await self._after_drain(
+                functools.partial(self.engine.sleep, level, mode="abort"), "sleep")
+        return await self._end_or_keep(functools.partial(self.engine.sleep, level, mode=mode),
+                                       mode)
 
-    async def pause_after_drain(self, clear_cache: bool = True) -> int:
-        """Pause once every prompt in flight now has finished (PauseGeneration "wait"); new
-        prompts are held meanwhile and queue for the resume once paused. Returns how many
-        prompts were drained."""
-        pause = functools.partial(self.engine.pause_generation, "abort", clear_cache)
-        return await self._after_drain(pause, "pause")
+    async def pause(self, mode: SleepMode, clear_cache: bool = True) -> int:
+        """Pause generation as `sleep` does its memory; during a "wait" drain new prompts are
+        held and queue for the resume once paused. Returns how many prompts it ended, kept or
+        drained."""
+        if mode == "wait":
+            return await self._after_drain(
+                functools.partial(self.engine.pause_generation, "abort", clear_cache), "pause")
+        return await self._end_or_keep(
+            functools.partial(self.engine.pause_generation, mode, clear_cache), mode)
+
+    async def _end_or_keep(self, freeze: Callable[[], list[RequestOutput]], mode: SleepMode
+                           ) -> int:
+        if mode == "keep":
+            return await self.call(self._keep_while, freeze)
+        return await self.call_ending_requests(freeze)
+
+    def _keep_while(self, freeze: Callable[[], Any]) -> int:
+        """On the engine thread: `freeze()` (a sleep or pause in "keep" mode); the prompts kept."""
+        freeze()
+        return self.engine.num_unfinished_requests
 
     async def _after_drain(self, then: Callable[[], Any], what: str) -> int:
         done: concurrent.futures.Future[int] = concurrent.futures.Future()

@@ -30,6 +30,9 @@ from rollout_engine.server.weights import WeightUpdateReceiver
 if TYPE_CHECKING:
     from rollout_engine.config import ServerConfig
 
+_NUM_REQUESTS_FIELD = {"abort": "num_aborted_requests", "wait": "num_drained_requests",
+                       "keep": "num_kept_requests"}
+"""Which count of a Sleep or PauseGeneration response a mode fills."""
 
 class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
     """Every engine call runs on the engine thread (`EngineLoop`); errors become statuses in
@@ -129,32 +132,16 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
     async def Sleep(self, request: pb.SleepRequest, context) -> pb.SleepResponse:
         level = SleepLevel.parse(request.level or SleepLevel.OFFLOAD_WEIGHTS)
         mode = check_sleep_mode(request.mode or "abort")
-        if mode == "wait":
-            num_drained = await self.engine_loop.sleep_after_drain(level)
-            return pb.SleepResponse(num_drained_requests=num_drained)
-        if mode == "keep":
-            num_kept = await self.engine_loop.call(self._keep_while, functools.partial(
-                self.engine.sleep, level=level, mode="keep"))
-            return pb.SleepResponse(num_kept_requests=num_kept)
-        sleep = functools.partial(self.engine.sleep, level=level, mode="abort")
-        num_aborted = await self.engine_loop.call_ending_requests(sleep)
-        return pb.SleepResponse(num_aborted_requests=num_aborted)
+        num_requests = await self.engine_loop.sleep(level, mode)
+        return pb.SleepResponse(**{_NUM_REQUESTS_FIELD[mode]: num_requests})
 
     @unary
     async def PauseGeneration(self, request: pb.PauseGenerationRequest, context
                               ) -> pb.PauseGenerationResponse:
         mode = check_sleep_mode(request.mode or "abort")
         clear_cache = request.clear_cache if request.HasField("clear_cache") else True
-        if mode == "wait":
-            num_drained = await self.engine_loop.pause_after_drain(clear_cache)
-            return pb.PauseGenerationResponse(num_drained_requests=num_drained)
-        if mode == "keep":
-            num_kept = await self.engine_loop.call(self._keep_while, functools.partial(
-                self.engine.pause_generation, "keep", clear_cache))
-            return pb.PauseGenerationResponse(num_kept_requests=num_kept)
-        pause = functools.partial(self.engine.pause_generation, "abort", clear_cache)
-        num_aborted = await self.engine_loop.call_ending_requests(pause)
-        return pb.PauseGenerationResponse(num_aborted_requests=num_aborted)
+        num_requests = await self.engine_loop.pause(mode, clear_cache)
+        return pb.PauseGenerationResponse(**{_NUM_REQUESTS_FIELD[mode]: num_requests})
 
     @unary
     async def ResumeGeneration(self, request, context) -> pb.ResumeGenerationResponse:
@@ -164,11 +151,6 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
     @unary
     async def IsPaused(self, request, context) -> pb.IsPausedResponse:
         return pb.IsPausedResponse(is_paused=await self.engine_loop.call(self.engine.is_paused))
-
-    def _keep_while(self, freeze) -> int:
-        """On the engine thread: `freeze()` (a sleep or pause in "keep" mode); the prompts kept."""
-        freeze()
-        return self.engine.num_unfinished_requests
 
     @unary
     async def WakeUp(self, request: pb.WakeUpRequest, context) -> pb.WakeUpResponse:

@@ -84,15 +84,7 @@ async def sleep(request: Request, level: int = 1, mode: str = "abort") -> Respon
     """Release memory (1: offload weights, drop KV; 2: drop both). `mode`: "abort" ends the
     requests in flight, "wait" drains them first, "keep" freezes them across the sleep."""
     ctx = serving(request)
-    level = SleepLevel.parse(level)
-    mode = check_sleep_mode(mode)
-    if mode == "wait":
-        await ctx.engine_loop.sleep_after_drain(level)
-    elif mode == "keep":
-        await ctx.engine_loop.call(functools.partial(ctx.engine.sleep, level=level, mode="keep"))
-    else:
-        await ctx.engine_loop.call_ending_requests(
-            functools.partial(ctx.engine.sleep, level=level, mode="abort"))
+    await ctx.engine_loop.sleep(SleepLevel.parse(level), check_sleep_mode(mode))
     return Response(status_code=200)
 
 
@@ -116,15 +108,7 @@ async def pause(request: Request, mode: str = "abort", clear_cache: bool = True)
     """Stop scheduling at a step boundary (vLLM's `/pause`): "abort" ends the requests in
     flight, "wait" drains them, "keep" freezes them until `/resume` (their streams wait)."""
     ctx = serving(request)
-    mode = check_sleep_mode(mode)
-    if mode == "wait":
-        await ctx.engine_loop.pause_after_drain(clear_cache)
-    elif mode == "keep":
-        await ctx.engine_loop.call(
-            functools.partial(ctx.engine.pause_generation, "keep", clear_cache))
-    else:
-        await ctx.engine_loop.call_ending_requests(
-            functools.partial(ctx.engine.pause_generation, "abort", clear_cache))
+    await ctx.engine_loop.pause(check_sleep_mode(mode), clear_cache)
     return json_response({"status": "paused"})
 
 
