@@ -29,7 +29,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peers import run_vllm, vllm_available, vllm_missing_note
-from workload import add_grpo_workload_args, add_model_args, left_padded, make_prompts
+from workload import (
+    add_grpo_workload_args,
+    add_model_args,
+    kv_bytes_per_token,
+    left_padded,
+    make_prompts,
+)
 
 from rollout_engine import LLM, SamplingParams
 from rollout_engine.tiny_model import build_tiny_model
@@ -99,11 +105,7 @@ def run_engine(model_dir: str, prompts, args, max_tokens: int) -> Run:
 
 def kv_cache_bytes(model_dir: str, num_rows: int, max_len: int) -> int:
     """Room for every sample's whole sequence (no preemption), plus a little."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    per_token = kv_bytes_per_token(model_dir, torch.float32)
     return int(per_token * num_rows * (max_len + 32) * 1.1)
 
 

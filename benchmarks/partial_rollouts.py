@@ -56,6 +56,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workload import add_model_args, kv_bytes_per_token
@@ -317,7 +319,7 @@ def engine_options(args: argparse.Namespace, model_dir: str) -> dict:
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     kv_cache_bytes = (args.kv_cache_mib * MiB if args.kv_cache_mib else
                       max_num_seqs * (args.max_prompt_len + args.cap)
-                      * kv_bytes_per_token(model_dir, 4 if dtype == "float32" else 2))
+                      * kv_bytes_per_token(model_dir, getattr(torch, dtype)))
     return {
         "max_num_seqs": max_num_seqs,
         "kv_cache_bytes": kv_cache_bytes,

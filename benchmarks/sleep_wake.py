@@ -307,7 +307,7 @@ def measure_pause(model_dir: str, args: argparse.Namespace) -> dict[bool, list[S
     max_tokens = (2 * args.repeats + 1) * TOKENS_PER_CYCLE + 32
     # A pool the whole batch fits in (no preemption), whatever --kv-cache-mib says.
     num_tokens = args.pause_prompts * args.pause_n * (workload.max_prompt_len + max_tokens)
-    options = {"kv_cache_bytes": num_tokens * kv_bytes_per_token(model_dir, dtype.itemsize),
+    options = {"kv_cache_bytes": num_tokens * kv_bytes_per_token(model_dir, dtype),
                "device": args.device, "dtype": str(dtype).removeprefix("torch."),
                "cpu_threads": args.threads if on_cpu else None}
     rng = random.Random(0)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import random
 
+import torch
+
 
 def add_model_args(parser: argparse.ArgumentParser, arch: str = "qwen2") -> None:
     """--model (a Hugging Face directory) or a model built from --arch and --size."""
@@ -48,12 +50,11 @@ def left_padded(prompts: list[list[int]]):
     return input_ids, mask
 
 
-def kv_bytes_per_token(model_dir: str, dtype_bytes: int) -> int:
-    """KV cache bytes one token takes in a model of uniform layers (K and V, every layer)."""
+def kv_bytes_per_token(model_dir: str, dtype: torch.dtype) -> int:
+    """KV cache bytes one token takes in the model, as the engine lays its cache out."""
     from transformers import AutoConfig
 
+    from rollout_engine.worker.kv_cache_spec import KVCacheSpec
+
     config = AutoConfig.from_pretrained(model_dir)
-    head_dim = getattr(config, "head_dim", None) or (
-        config.hidden_size // config.num_attention_heads)
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * num_kv_heads * head_dim * dtype_bytes
+    return KVCacheSpec.from_model(config, block_size=1, dtype=dtype).bytes_per_token
