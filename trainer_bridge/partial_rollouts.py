@@ -87,8 +87,7 @@ class _InFlight:
     completions: list[CompletionOutput] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
     cancel: CallCancel = field(default_factory=CallCancel)
-    is_dropped: bool = False
-    """Restarted as too stale: its call's end is ignored."""
+    """Cancelled when the group is restarted as too stale: its call's end is then ignored."""
 
 
 class PartialRollouts:
@@ -153,7 +152,7 @@ class PartialRollouts:
         self._refill(round(self.oversample * num_groups))
         while self._running and len(self._completed) < num_groups:
             group, error = self._done.get()
-            if group.is_dropped:
+            if group.cancel.is_cancelled:  # restarted as too stale
                 continue
             self._running.remove(group)
             if error is not None:
@@ -175,7 +174,6 @@ class PartialRollouts:
             return
         for group in list(self._running):
             if self._num_calls - group.started_at_call > self.max_staleness:
-                group.is_dropped = True
                 group.cancel.cancel()  # the server aborts its requests, frozen or not
                 self._running.remove(group)
                 self._start(group.key, group.prompt, group.sampling_params)

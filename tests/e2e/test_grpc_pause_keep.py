@@ -68,6 +68,18 @@ def start_streams(client, prompts) -> tuple[list[list], list[threading.Thread]]:
     return snapshots, threads
 
 
+def start_long_stream(client, max_tokens: int, results: dict, key: str) -> threading.Thread:
+    """A greedy stream of PROMPTS[0] on a thread, its snapshots put in `results[key]` when it
+    ends; returns once the engine has it in flight."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    reader = threading.Thread(target=lambda: results.update(
+        {key: list(client.generate_stream(PROMPTS[0], params, timeout=120))}))
+    reader.start()
+    while not client.info().num_unfinished_requests:
+        time.sleep(0.002)
+    return reader
+
+
 def test_a_stream_held_across_a_pause_and_an_update_completes(client, llama_dir,
                                                                other_model_dirs):
     new_dir = other_model_dirs[1]
@@ -107,13 +119,8 @@ def test_a_request_sent_during_a_wait_pause_runs_after_the_resume(client, llama_
     """PauseGeneration("wait") drains what is in flight; a Generate sent meanwhile is neither
     refused nor scheduled (the drain would never end): it queues, and runs after the resume
     (vLLM's pause queues it the same way). One cancelled by its caller while held never runs."""
-    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     results: dict[str, object] = {}
-    reader = threading.Thread(target=lambda: results.update(
-        drained_stream=list(client.generate_stream(PROMPTS[0], long, timeout=120))))
-    reader.start()
-    while not client.info().num_unfinished_requests:
-        time.sleep(0.002)
+    reader = start_long_stream(client, 400, results, "drained_stream")
     pause = threading.Thread(target=lambda: results.update(
         drained=client.pause_generation("wait")))
     pause.start()
@@ -144,13 +151,8 @@ def test_a_wait_whose_caller_gave_up_is_dropped_and_the_engine_serves(client, se
                                                                       verb):
     """PauseGeneration or Sleep with mode "wait" whose caller goes away (deadline) while it
     drains: nothing is paused or put to sleep when the drain ends, and the engine serves."""
-    long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
     results: dict[str, object] = {}
-    reader = threading.Thread(target=lambda: results.update(
-        stream=list(client.generate_stream(PROMPTS[0], long, timeout=120))))
-    reader.start()
-    while not client.info().num_unfinished_requests:
-        time.sleep(0.002)
+    reader = start_long_stream(client, 300, results, "stream")
     with (EngineClient(server.address, timeout=0.2) as hasty,
           pytest.raises(Exception, match="(?i)deadline")):
         if verb == "pause":
