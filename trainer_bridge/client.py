@@ -257,7 +257,10 @@ class EngineClient:
     def pause_generation(self, mode: SleepMode = "abort", clear_cache: bool = True) -> int:
         """Stop scheduling (vLLM's `pause_generation`): "abort" ends the requests in flight,
         "wait" drains them, "keep" freezes them until `resume_generation()` (their streams
-        just wait; weights may be updated meanwhile). Returns how many it ended or kept."""
+        just wait; weights may be updated meanwhile). Returns how many it ended, drained or
+        kept. A "wait" pause reads as paused from the call on; a `resume_generation()` during
+        its drain, from any client, cancels it: it returns once drained, not paused (as
+        vLLM's does; `is_paused()` tells)."""
         request = pb.PauseGenerationRequest(mode=mode, clear_cache=clear_cache)
         reply = self._retrying(self._stub.PauseGeneration, request)
         return reply.num_aborted_requests + reply.num_drained_requests + reply.num_kept_requests
@@ -266,6 +269,7 @@ class EngineClient:
         self._retrying(self._stub.ResumeGeneration, pb.ResumeGenerationRequest())
 
     def is_paused(self) -> bool:
+        """True while paused, and while a "wait" pause drains: no new request starts."""
         return self._retrying(self._stub.IsPaused, pb.IsPausedRequest()).is_paused
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:

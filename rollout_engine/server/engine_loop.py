@@ -10,8 +10,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar
 
 import torch
 
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+PauseState = Literal["running", "draining", "paused"]
 
 
 class OutputSink:
@@ -56,13 +57,32 @@ class OutputSink:
 @dataclass
 class _Drain:
     """A Sleep or PauseGeneration with mode "wait", waiting for the prompts that were in flight
-    when it came; then `then()` runs (the sleep, or the pause)."""
+    when it came; then `then()` runs (the sleep, or the pause).
 
-    then: Callable[[], Any]
-    what: str
-    """"sleep" or "pause", for the error new requests get meanwhile."""
-    request_ids: set[str]
-    done: concurrent.futures.Future[int]
+    Until then it gates new prompts: a sleep's are refused, a pause's held for the resume. A
+    resume during a pause's drain cancels the pause (`then` becomes None): its caller still
+    hears once its prompts are done, not paused (vLLM's `pause_generation` returns too, once
+    the engine is idle, and leaves it running)."""
+
+    then: Callable[[], Any] | None
+    what: Literal["sleep", "pause"]
+    done: concurrent.futures.Future[int] = field(default_factory=concurrent.futures.Future)
+    request_ids: set[str] = field(default_factory=set)
+    """The prompts in flight when it began (set on the engine thread)."""
+
+    @property
+    def is_pausing(self) -> bool:
+        """A pause's drain that no resume cancelled: generation reads as paused already."""
+        return self.what == "pause" and self.then is not None
+
+
+class PauseResult(NamedTuple):
+    """What a PauseGeneration did."""
+
+    num_requests: int
+    """The prompts it ended ("abort"), drained ("wait") or kept ("keep")."""
+    is_paused: bool
+    """False only for "wait" when a resume came during the drain: it drained, did not pause."""
 
 
 @dataclass
@@ -153,20 +173,32 @@ class EngineLoop:
         ("wait": steps go on meanwhile, new prompts are refused). Returns how many prompts it
         ended, kept or drained."""
         if mode == "wait":
-            return await self._after_drain(
-                functools.partial(self.engine.sleep, level, mode="abort"), "sleep")
+            drain = await self._after_drain(
+                _Drain(functools.partial(self.engine.sleep, level, mode="abort"), "sleep"))
+            return len(drain.request_ids)
         return await self._end_or_keep(functools.partial(self.engine.sleep, level, mode=mode),
                                        mode)
 
-    async def pause(self, mode: SleepMode, clear_cache: bool = True) -> int:
-        """Pause generation as `sleep` does its memory; during a "wait" drain new prompts are
-        held and queue for the resume once paused. Returns how many prompts it ended, kept or
-        drained."""
+    async def pause(self, mode: SleepMode, clear_cache: bool = True) -> PauseResult:
+        """Pause generation as `sleep` does its memory. During a "wait" drain generation reads
+        as paused and new prompts are held (they queue for the resume once paused); a resume
+        meanwhile cancels the pause (see `_Drain`)."""
         if mode == "wait":
-            return await self._after_drain(
-                functools.partial(self.engine.pause_generation, "abort", clear_cache), "pause")
-        return await self._end_or_keep(
+            drain = await self._after_drain(_Drain(
+                functools.partial(self.engine.pause_generation, "abort", clear_cache), "pause"))
+            return PauseResult(len(drain.request_ids), is_paused=drain.then is not None)
+        num_requests = await self._end_or_keep(
             functools.partial(self.engine.pause_generation, mode, clear_cache), mode)
+        return PauseResult(num_requests, is_paused=True)
+
+    async def resume(self) -> None:
+        """Generation goes on: kept prompts, those held during a "wait" drain, and the prompts
+        of a drain that was to end in a pause (it no longer will)."""
+        await self.call(self._resume)
+
+    async def is_paused(self) -> bool:
+        """Paused, or draining to pause ("wait"): no new prompt starts until a resume."""
+        return await self.call(self._pause_state) != "running"
 
     async def _end_or_keep(self, freeze: Callable[[], list[RequestOutput]], mode: SleepMode
                            ) -> int:
@@ -179,10 +211,11 @@ class EngineLoop:
         freeze()
         return self.engine.num_unfinished_requests
 
-    async def _after_drain(self, then: Callable[[], Any], what: str) -> int:
-        done: concurrent.futures.Future[int] = concurrent.futures.Future()
-        self.submit(lambda: self._begin_drain(then, what, done))
-        return await asyncio.wrap_future(done, loop=self._loop)
+    async def _after_drain(self, drain: _Drain) -> _Drain:
+        """Begin `drain` on the engine thread; it, once answered."""
+        self.submit(lambda: self._begin_drain(drain))
+        await asyncio.wrap_future(drain.done, loop=self._loop)
+        return drain
 
     def counters(self) -> dict[str, int]:
         return {
@@ -275,18 +308,25 @@ class EngineLoop:
     ) -> concurrent.futures.Future[None] | None:
         """Add the requests now, or, during a pause drain, hold them: the future then says
         when they were added (or why not)."""
-        self._drains = [d for d in self._drains if not d.done.cancelled()]  # callers gone
-        if self._drains and self._drains[0].what == "sleep":
-            raise EngineSleepingError(
-                "the engine is draining its requests to go to sleep (Sleep with mode 'wait'); "
-                "wake it up after the sleep, then generate"
-            )
-        if self._drains:
+        gate = self._gate()
+        if gate is not None and gate.what == "pause":
             held = _HeldAdd(requests, sink, prompt_logprobs_from, concurrent.futures.Future())
             self._held.append(held)
             return held.done
         self._add_now(requests, sink, prompt_logprobs_from)
         return None
+
+    def _gate(self) -> _Drain | None:
+        """The first drain that still has a sleep or pause to run: new prompts wait for it, or
+        are refused (EngineSleepingError) when it is a sleep's."""
+        self._drains = [d for d in self._drains if not d.done.cancelled()]  # callers gone
+        gate = next((d for d in self._drains if d.then is not None), None)
+        if gate is not None and gate.what == "sleep":
+            raise EngineSleepingError(
+                "the engine is draining its requests to go to sleep (Sleep with mode 'wait'); "
+                "wake it up after the sleep, then generate"
+            )
+        return gate
 
     def _add_now(
         self,
@@ -309,13 +349,17 @@ class EngineLoop:
             self._sinks[request_id] = sink
         self.num_requests_total += len(added)
 
-    def _add_held(self) -> None:
-        """Once no drain is left: add what came during the pause drains."""
+    def _release_held(self) -> None:
+        """Once no pause drain holds them (it paused, or a resume cancelled it): add what came
+        meanwhile, or refuse it if a sleep's drain is next."""
+        if not self._held or self._is_draining_to_pause():
+            return
         held, self._held = self._held, []
         for add in held:
             if not add.done.set_running_or_notify_cancel():
                 continue  # aborted while held
             try:
+                self._gate()
                 self._add_now(add.requests, add.sink, add.prompt_logprobs_from)
             except Exception as exc:  # noqa: BLE001 - the caller's error
                 add.done.set_exception(exc)
@@ -335,38 +379,55 @@ class EngineLoop:
         self._dispatch(outputs)
         return len(outputs)
 
-    def _begin_drain(
-        self, then: Callable[[], Any], what: str, done: concurrent.futures.Future[int]
-    ) -> None:
+    def _begin_drain(self, drain: _Drain) -> None:
         if self.engine.is_paused():  # the caller waits on `done`: it gets the error there
-            done.set_exception(EngineBusyError(
-                f"generation is paused: its requests cannot drain before the {what}; use mode "
-                "'keep' or 'abort', or resume first"
+            drain.done.set_exception(EngineBusyError(
+                f"generation is paused: its requests cannot drain before the {drain.what}; use "
+                "mode 'keep' or 'abort', or resume first"
             ))
             return
-        self._drains.append(_Drain(then, what, set(self.engine.unfinished_request_ids), done))
+        drain.request_ids = set(self.engine.unfinished_request_ids)
+        self._drains.append(drain)
         self._finish_drains()
 
     def _finish_drains(self) -> None:
-        """Run the sleep or pause of every drain whose prompts have all finished."""
+        """Answer, in order, every drain whose prompts have all finished, after running its
+        sleep or pause (none if a resume cancelled it); then release the held requests."""
         while self._drains:
             drain = self._drains[0]
-            if drain.done.cancelled():  # its caller has gone: nothing is paused or slept
-                self._drains.pop(0)
-                continue
-            if drain.request_ids & set(self.engine.unfinished_request_ids):
-                return
+            if not drain.done.cancelled() and (
+                drain.request_ids & set(self.engine.unfinished_request_ids)
+            ):
+                break
             self._drains.pop(0)
             if not drain.done.set_running_or_notify_cancel():
-                continue  # cancelled just now
+                continue  # its caller has gone: nothing is paused or slept
             try:
-                self._call_ending_requests(drain.then)
+                if drain.then is not None:
+                    self._call_ending_requests(drain.then)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 drain.done.set_exception(exc)
             else:
                 drain.done.set_result(len(drain.request_ids))
-        if self._held:
-            self._add_held()
+        self._release_held()
+
+    def _resume(self) -> None:
+        """The one way out of a pause, drained or draining (see `resume`)."""
+        for drain in self._drains:
+            if drain.what == "pause":
+                drain.then = None
+        self.engine.resume_generation()
+        self._finish_drains()
+
+    def _pause_state(self) -> PauseState:
+        """"paused" (nothing is scheduled), "draining" (a "wait" pause waits for its prompts;
+        new ones are held) or "running"; a sleep's drain is no pause (it refuses new ones)."""
+        if self.engine.is_paused():
+            return "paused"
+        return "draining" if self._is_draining_to_pause() else "running"
+
+    def _is_draining_to_pause(self) -> bool:
+        return any(d.is_pausing and not d.done.cancelled() for d in self._drains)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand each output to its sink with one wake-up of the event loop per step."""

@@ -140,17 +140,17 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
                               ) -> pb.PauseGenerationResponse:
         mode = check_sleep_mode(request.mode or "abort")
         clear_cache = request.clear_cache if request.HasField("clear_cache") else True
-        num_requests = await self.engine_loop.pause(mode, clear_cache)
-        return pb.PauseGenerationResponse(**{_NUM_REQUESTS_FIELD[mode]: num_requests})
+        result = await self.engine_loop.pause(mode, clear_cache)
+        return pb.PauseGenerationResponse(**{_NUM_REQUESTS_FIELD[mode]: result.num_requests})
 
     @unary
     async def ResumeGeneration(self, request, context) -> pb.ResumeGenerationResponse:
-        await self.engine_loop.call(self.engine.resume_generation)
+        await self.engine_loop.resume()
         return pb.ResumeGenerationResponse()
 
     @unary
     async def IsPaused(self, request, context) -> pb.IsPausedResponse:
-        return pb.IsPausedResponse(is_paused=await self.engine_loop.call(self.engine.is_paused))
+        return pb.IsPausedResponse(is_paused=await self.engine_loop.is_paused())
 
     @unary
     async def WakeUp(self, request: pb.WakeUpRequest, context) -> pb.WakeUpResponse:

@@ -1,6 +1,7 @@
 """Generation that survives a weight update, through a real server: a stream held across a
 pause in "keep" mode and a weight update completes with the old policy's tokens, then the new
-one's; a batch kept across a level-2 sleep does the same."""
+one's; a batch kept across a level-2 sleep does the same. And the pause state over gRPC and
+HTTP: a "wait" pause reads as paused while it drains, and a resume meanwhile cancels it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import threading
 import time
 
 import pytest
+import requests
 from safetensors.torch import load_file
 
-from tests.e2e.server_process import start_server
+from tests.e2e.server_process import start_server, wait_for
 from tests.integration.hf_oracle import hf_greedy
 from trainer_bridge import EngineClient, SamplingParams
 
@@ -21,7 +23,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, llama_dir):
-    process = start_server(tmp_path_factory, llama_dir)
+    process = start_server(tmp_path_factory, llama_dir, "--http-port", "0")
     yield process
     process.stop()
 
@@ -165,3 +167,70 @@ def test_a_wait_whose_caller_gave_up_is_dropped_and_the_engine_serves(client, se
     assert not client.is_paused() and not client.memory_state().is_sleeping
     (output,) = client.generate([PROMPTS[1]], GREEDY)
     assert output.outputs[0].token_ids == hf_greedy(str(llama_dir), PROMPTS[1], MAX_TOKENS)
+
+
+class PauseControl:
+    """PauseGeneration, ResumeGeneration and IsPaused of one transport: gRPC (EngineClient) or
+    HTTP (vLLM's `/pause`, `/resume`, `/is_paused`)."""
+
+    def __init__(self, server, transport: str) -> None:
+        self.server, self.transport = server, transport
+
+    def pause_wait(self) -> object:
+        """The gRPC count of drained requests, or the HTTP answer's JSON."""
+        if self.transport == "grpc":
+            with EngineClient(self.server.address, timeout=120) as client:
+                return client.pause_generation("wait")
+        return self._post("/pause?mode=wait").json()
+
+    def resume(self) -> None:
+        if self.transport == "grpc":
+            with EngineClient(self.server.address, timeout=30) as client:
+                client.resume_generation()
+        else:
+            assert self._post("/resume").json() == {"status": "resumed"}
+
+    def is_paused(self) -> bool:
+        if self.transport == "grpc":
+            with EngineClient(self.server.address, timeout=30) as client:
+                return client.is_paused()
+        response = requests.get(self.server.http_url + "/is_paused", timeout=30)
+        return response.json()["is_paused"]
+
+    def _post(self, path: str) -> requests.Response:
+        response = requests.post(self.server.http_url + path, timeout=120)
+        assert response.status_code == 200, response.text
+        return response
+
+
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+def test_a_resume_during_a_wait_pause_cancels_it(client, server, llama_dir, transport):
+    """The bug: a resume from another client while a "wait" pause drained answered, then the
+    drain's end paused the engine anyway and every later request waited forever. As in vLLM,
+    the pause reads as paused from its start, the resume leaves the engine running, and the
+    pausing call returns once its requests are drained (HTTP says it was resumed). Requests
+    sent during the drain and after the resume get the model's greedy tokens."""
+    control = PauseControl(server, transport)
+    results: dict[str, object] = {}
+    reader = start_long_stream(client, 400, results, "drained_stream")
+    pause = threading.Thread(target=lambda: results.update(paused=control.pause_wait()))
+    pause.start()
+    assert wait_for(control.is_paused, timeout_s=10)  # draining: paused to every client
+    late = threading.Thread(target=lambda: results.update(
+        late=client.generate([PROMPTS[1]], GREEDY, timeout=120)[0]))
+    late.start()
+    time.sleep(0.05)
+    assert pause.is_alive() and reader.is_alive() and "late" not in results  # still draining
+    control.resume()
+    assert not control.is_paused()
+    late.join(60)
+    assert results["late"].outputs[0].token_ids == hf_greedy(str(llama_dir), PROMPTS[1],
+                                                             MAX_TOKENS)
+    pause.join(120)
+    reader.join(120)
+    assert results["drained_stream"][-1].outputs[0].finish_reason == "length"
+    assert results["paused"] == (1 if transport == "grpc" else {"status": "resumed"})
+    assert not control.is_paused()  # the drain's end did not pause
+    (output,) = client.generate([PROMPTS[1]], GREEDY, timeout=60)
+    assert output.outputs[0].token_ids == hf_greedy(str(llama_dir), PROMPTS[1], MAX_TOKENS)
+    assert client.info().num_free_blocks == client.info().num_blocks

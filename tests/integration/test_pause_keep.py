@@ -3,6 +3,7 @@ versions, against the Hugging Face oracle under the old weights and then the new
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,33 @@ def test_kept_requests_survive_a_level_2_sleep_and_an_update(llm, llama_dir, new
         engine.wake_up(["weights"])
         engine.update_weights(weights)
         engine.wake_up(["kv_cache"])  # awake with valid weights: they go on by themselves
+
+    check_old_then_new(generate_across_a_switch(engine, train_phase), llama_dir, new_dir)
+
+
+def test_kept_requests_woken_without_an_update_wait_for_it_and_say_why(
+    llm, llama_dir, new_dir, caplog
+):
+    """After sleep(level=2, mode="keep") a wake alone leaves the weights invalid: the kept
+    requests stay frozen (never a token from discarded weights, and no error: the RL step
+    pushes the weights next) and the engine says why: a warning at the wake, and info() awake,
+    weights invalid, requests unfinished. A new request is refused with what to call; the
+    update lets the kept ones go on by themselves."""
+    engine = llm.engine
+    weights = load_file(str(new_dir / "model.safetensors"))
+
+    def train_phase() -> None:
+        engine.sleep(level=2, mode="keep")
+        with caplog.at_level(logging.WARNING, logger="rollout_engine.llm_engine"):
+            engine.wake_up()
+        assert f"{len(PROMPTS)} kept requests wait for a weight update" in caplog.text
+        info = engine.info()
+        assert not info.is_sleeping and not info.weights_valid
+        assert info.num_unfinished_requests == len(PROMPTS)
+        assert engine.step() == [] and not engine.can_make_progress()
+        with pytest.raises(EngineSleepingError, match="update_weights"):
+            engine.add_request("late", PROMPTS[0], GREEDY)
+        engine.update_weights(weights)
 
     check_old_then_new(generate_across_a_switch(engine, train_phase), llama_dir, new_dir)
 

@@ -106,23 +106,24 @@ async def is_sleeping(request: Request) -> Response:
 @router.post("/pause")
 async def pause(request: Request, mode: str = "abort", clear_cache: bool = True) -> Response:
     """Stop scheduling at a step boundary (vLLM's `/pause`): "abort" ends the requests in
-    flight, "wait" drains them, "keep" freezes them until `/resume` (their streams wait)."""
+    flight, "wait" drains them, "keep" freezes them until `/resume` (their streams wait).
+    A `/resume` during a "wait" drain cancels the pause: this answers 200 once drained (as
+    vLLM's does), with `{"status": "resumed"}`: generation is running."""
     ctx = serving(request)
-    await ctx.engine_loop.pause(check_sleep_mode(mode), clear_cache)
-    return json_response({"status": "paused"})
+    result = await ctx.engine_loop.pause(check_sleep_mode(mode), clear_cache)
+    return json_response({"status": "paused" if result.is_paused else "resumed"})
 
 
 @router.post("/resume")
 async def resume(request: Request) -> Response:
-    ctx = serving(request)
-    await ctx.engine_loop.call(ctx.engine.resume_generation)
+    await serving(request).engine_loop.resume()
     return json_response({"status": "resumed"})
 
 
 @router.get("/is_paused")
 async def is_paused(request: Request) -> Response:
-    ctx = serving(request)
-    return json_response({"is_paused": await ctx.engine_loop.call(ctx.engine.is_paused)})
+    """True while paused, and from a "wait" pause's start: no new request starts meanwhile."""
+    return json_response({"is_paused": await serving(request).engine_loop.is_paused()})
 
 
 async def _weights_go_over_grpc(request: Request) -> Response:
