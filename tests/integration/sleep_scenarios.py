@@ -1,5 +1,9 @@
 """Engine sleep/wake scenarios run in a fresh interpreter each, so that measured memory is clean.
 
+Resident memory ("rss_*") is private resident memory (tests/memory_growth.py): the pools and the
+heap, not the library pages that the kernel drops under memory pressure and faults back in (some
+MB, at any time: more than the 5% bounds allow).
+
 Usage: python tests/integration/sleep_scenarios.py NAME MODEL_DIR; prints one JSON object.
 """
 
@@ -17,6 +21,7 @@ from safetensors.torch import load_file
 
 from memory import process_rss_bytes
 from rollout_engine import LLM, SamplingParams
+from tests.memory_growth import private_rss_bytes
 
 MiB = 1 << 20
 KV_CACHE_BYTES = 64 * MiB
@@ -46,16 +51,16 @@ def level2(model_dir: str) -> dict[str, Any]:
     """sleep(level=2) releases both pools; weights come back only through update_weights."""
     llm = LLM(model_dir, kv_cache_bytes=KV_CACHE_BYTES)
     before, addresses = greedy_tokens(llm), _addresses(llm)
-    rss_awake = process_rss_bytes()
+    rss_awake = private_rss_bytes()
     llm.sleep(level=2)
-    rss_asleep, states_asleep = process_rss_bytes(), _tag_states(llm)
+    rss_asleep, states_asleep = private_rss_bytes(), _tag_states(llm)
     llm.wake_up(["weights"])
     weights = checkpoint(model_dir)
     version = llm.update_weights(weights)
     del weights
     gc.collect()
     llm.wake_up(["kv_cache"])
-    rss_woken = process_rss_bytes()
+    rss_woken = private_rss_bytes()
     return {
         "pool_bytes": llm.memory_state().pool_bytes,
         "rss_awake": rss_awake,
@@ -73,11 +78,11 @@ def release_kv(model_dir: str) -> dict[str, Any]:
     """release_kv_cache_memory() releases the KV pool only; wake_up(["kv_cache"]) brings it back."""
     llm = LLM(model_dir, kv_cache_bytes=KV_CACHE_BYTES)
     before, addresses = greedy_tokens(llm), _addresses(llm)
-    rss_awake = process_rss_bytes()
+    rss_awake = private_rss_bytes()
     llm.release_kv_cache_memory()
-    rss_released, states_released = process_rss_bytes(), _tag_states(llm)
+    rss_released, states_released = private_rss_bytes(), _tag_states(llm)
     llm.wake_up(["kv_cache"])
-    rss_woken = process_rss_bytes()
+    rss_woken = private_rss_bytes()
     return {
         "pool_bytes": llm.memory_state().pool_bytes,
         "rss_awake": rss_awake,
@@ -93,15 +98,15 @@ def level1(model_dir: str) -> dict[str, Any]:
     """sleep(level=1) keeps the weights in a host backup and releases the KV pool."""
     llm = LLM(model_dir, kv_cache_bytes=KV_CACHE_BYTES)
     before, addresses = greedy_tokens(llm), _addresses(llm)
-    rss_awake = process_rss_bytes()
+    rss_awake = private_rss_bytes()
     llm.sleep(level=1)
-    rss_asleep, states_asleep = process_rss_bytes(), _tag_states(llm)
+    rss_asleep, states_asleep = private_rss_bytes(), _tag_states(llm)
     llm.wake_up()
     return {
         "pool_bytes": llm.memory_state().pool_bytes,
         "rss_awake": rss_awake,
         "rss_asleep": rss_asleep,
-        "rss_woken": process_rss_bytes(),
+        "rss_woken": private_rss_bytes(),
         "states_asleep": states_asleep,
         "same_outputs": greedy_tokens(llm) == before,
         "same_addresses": _addresses(llm) == addresses,
@@ -109,9 +114,9 @@ def level1(model_dir: str) -> dict[str, Any]:
 
 
 def _measured_sleep(llm: LLM, level: int) -> dict[str, Any]:
-    rss_awake = process_rss_bytes()
+    rss_awake = private_rss_bytes()
     llm.sleep(level=level)
-    return {"rss_awake": rss_awake, "rss_asleep": process_rss_bytes(),
+    return {"rss_awake": rss_awake, "rss_asleep": private_rss_bytes(),
             "states_asleep": _tag_states(llm)}
 
 
@@ -131,13 +136,13 @@ def levels_from_trainer(model_dir: str) -> dict[str, Any]:
     gc.collect()
     level1 = _measured_sleep(llm, level=1)
     llm.wake_up()
-    level1 |= {"rss_woken": process_rss_bytes(), "same_outputs": greedy_tokens(llm) == before,
+    level1 |= {"rss_woken": private_rss_bytes(), "same_outputs": greedy_tokens(llm) == before,
                "same_addresses": _addresses(llm) == addresses}
     level2 = _measured_sleep(llm, level=2)
     llm.wake_up(["weights"])
     level2["weight_version"] = llm.update_weights(trainer_model.named_parameters())
     llm.wake_up(["kv_cache"])
-    level2 |= {"rss_woken": process_rss_bytes(), "states_woken": _tag_states(llm),
+    level2 |= {"rss_woken": private_rss_bytes(), "states_woken": _tag_states(llm),
                "same_outputs": greedy_tokens(llm) == before,
                "same_addresses": _addresses(llm) == addresses}
     return {
@@ -162,7 +167,9 @@ def _cycle(llm: LLM, weights: dict[str, torch.Tensor], step: int) -> None:
 
 
 def cycles(model_dir: str, num_cycles: int = 500) -> dict[str, Any]:
-    """Many sleep/wake cycles of both levels; resident memory must not grow."""
+    """Many sleep/wake cycles of both levels; resident memory must not grow. It is measured
+    after the warm-up, half-way and at the end, each time awake and right after a generation
+    (see tests/memory_growth.py)."""
     # A short timeline: it is a bounded log, and a full one keeps a constant size.
     llm = LLM(model_dir, kv_cache_bytes=1 * MiB, timeline_max_events=100)
     weights = checkpoint(model_dir)
@@ -171,17 +178,20 @@ def cycles(model_dir: str, num_cycles: int = 500) -> dict[str, Any]:
         _cycle(llm, weights, step)
     greedy_tokens(llm)  # measured awake, as at the end (CPU linears packed again)
     gc.collect()
-    rss_before = process_rss_bytes()
+    rss_before, private_rss = process_rss_bytes(), [private_rss_bytes()]
     num_same_outputs = 0
     for step in range(num_cycles):
         _cycle(llm, weights, step)
-        if step % 100 == 99:
+        if step % 50 == 49:
             num_same_outputs += greedy_tokens(llm) == before
-    gc.collect()
+        if step + 1 in (num_cycles // 2, num_cycles):
+            gc.collect()
+            private_rss.append(private_rss_bytes())
     return {
         "num_cycles": num_cycles,
-        "num_checks": num_cycles // 100,
+        "num_checks": num_cycles // 50,
         "num_same_outputs": num_same_outputs,
+        "private_rss_bytes": private_rss,
         "rss_before": rss_before,
         "rss_after": process_rss_bytes(),
         "weight_version": llm.weight_version,

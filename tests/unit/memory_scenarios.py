@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from memory import MemoryManager, cuda_device_memory_bytes, process_rss_bytes
+from tests.memory_growth import private_rss_bytes
 
 MiB = 1 << 20
 # One intra-op thread: on a loaded machine, spinning OpenMP workers slow small copies a lot.
@@ -18,12 +19,13 @@ torch.set_num_threads(1)
 
 
 def _used_bytes(manager: MemoryManager) -> int:
-    """Process RSS on CPU; device-wide used memory on CUDA."""
+    """Private resident memory on CPU (without library pages the kernel may drop and fault
+    back in: tests/memory_growth.py); device-wide used memory on CUDA."""
     if manager.device.type == "cuda":
         torch.cuda.synchronize(manager.device)
         torch.cuda.empty_cache()  # temporaries cached by torch are not pool memory
         return cuda_device_memory_bytes(manager.device)["device_used_bytes"]
-    return process_rss_bytes()
+    return private_rss_bytes()
 
 
 def discard(device: str) -> dict[str, Any]:
@@ -104,7 +106,8 @@ def _cycle(manager: MemoryManager, data: torch.Tensor, step: int) -> bool:
 
 
 def cycles(device: str, num_cycles: int = 500) -> dict[str, Any]:
-    """Many offload and discard cycles; neither host RSS nor device memory may grow."""
+    """Many offload and discard cycles; neither host memory nor device memory may grow. Both
+    are measured after the warm-up, half-way and at the end (see tests/memory_growth.py)."""
     num_bytes = 64 * MiB if device.startswith("cuda") else 2 * MiB
     manager = MemoryManager(device)
     pool = manager.create_pool("weights", num_bytes)
@@ -112,16 +115,20 @@ def cycles(device: str, num_cycles: int = 500) -> dict[str, Any]:
     ptr = pool.data_ptr
     for step in range(20):  # warm-up: first-use allocations of torch and Python
         _cycle(manager, data, step)
-    rss_before, used_before = process_rss_bytes(), _used_bytes(manager)
-    num_ok = sum(_cycle(manager, data, step) for step in range(num_cycles))
+    private_rss, used, num_ok = [private_rss_bytes()], [_used_bytes(manager)], 0
+    rss_before = process_rss_bytes()
+    for _ in range(2):  # two halves
+        num_ok += sum(_cycle(manager, data, step) for step in range(num_cycles // 2))
+        private_rss.append(private_rss_bytes())
+        used.append(_used_bytes(manager))
     return {
         "num_bytes": num_bytes,
         "num_cycles": num_cycles,
         "num_ok": num_ok,
+        "private_rss_bytes": private_rss,
+        "used_bytes": used,
         "rss_before": rss_before,
         "rss_after": process_rss_bytes(),
-        "used_before": used_before,
-        "used_after": _used_bytes(manager),
         "same_ptr": pool.data_ptr == ptr and data.data_ptr() == ptr,
     }
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from memory import BackendUnavailableError, CudaDriverError, MemoryManager, cuda_driver
+from tests.memory_growth import leak_bytes, max_leak_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("memory_scenarios.py")
@@ -136,8 +137,10 @@ def test_gpu_offload_restores_exact_bytes() -> None:
 def test_gpu_500_cycles_do_not_grow_host_or_device_memory() -> None:
     result = run_scenario("cycles", "cuda")
     assert result["num_ok"] == result["num_cycles"] == 500 and result["same_ptr"], result
-    assert result["rss_after"] - result["rss_before"] < 0.01 * result["rss_before"], result
-    assert result["used_after"] - result["used_before"] < 0.01 * result["num_bytes"], result
+    # Judged on both halves of the run, as on CPU (tests/memory_growth.py); device memory is
+    # mapped 2 MiB at a time, so a leaked mapping grows a half by far more than 1% of the pool.
+    assert leak_bytes(result["private_rss_bytes"]) < max_leak_bytes(500), result
+    assert leak_bytes(result["used_bytes"]) < 0.01 * result["num_bytes"], result
 
 
 @pytest.mark.gpu

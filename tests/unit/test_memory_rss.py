@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from tests.memory_growth import leak_bytes, max_leak_bytes
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("memory_scenarios.py")
 Scenarios = dict[str, "subprocess.Popen[str]"]
@@ -69,8 +71,9 @@ def test_offload_restores_exact_bytes_and_frees_the_backup(scenarios: Scenarios)
 
 
 def test_500_sleep_wake_cycles_do_not_grow_resident_memory(scenarios: Scenarios) -> None:
+    """Judged on the slope, not on one point: a leak grows in both halves of the run; a heap
+    arena taken once, or library pages faulted back in, move total RSS by MBs once."""
     result = scenario_result(scenarios["cycles"])
     assert result["num_ok"] == result["num_cycles"] == 500, result
     assert result["same_ptr"], result
-    growth_bytes = result["rss_after"] - result["rss_before"]
-    assert growth_bytes < 0.01 * result["rss_before"], result
+    assert leak_bytes(result["private_rss_bytes"]) < max_leak_bytes(500), result
