@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import enum
 import json
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -45,6 +47,11 @@ LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 LOGPROBS_MODES: tuple[str, ...] = ("processed_logprobs", "raw_logprobs")
 MAX_LOGIT_BIAS = 100.0
 """`logit_bias` values are clamped to [-100, 100] (OpenAI's range)."""
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest finite float32: the sampling kernels see every parameter in float32."""
+MIN_REPETITION_PENALTY = 1e-6
+"""Smaller repetition penalties are refused: a logit divided by one overflows float32 (1e-50
+is 0 there), and the inf makes NaN logprobs."""
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -53,8 +60,9 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0
     """Every output has every token so far: each costs what was generated so far."""
     DELTA = 1
-    """Every output has the tokens (and logprobs) new since the previous one, for every
-    sample; a sample's finish reason and text come once, with its last tokens (streams)."""
+    """Every output has the tokens (and logprobs) and the text new since the previous one, for
+    every sample (streams; vLLM's): text a stop string could still cut comes once the sample
+    finished, with its finish reason."""
     FINAL_ONLY = 2
     """One output, when every sample has finished, with all of them (`LLM.generate`,
     GenerateBatch)."""
@@ -267,7 +275,11 @@ def error_from_status(code: str, message: str, error_type: str = "") -> EngineEr
 class StructuredOutputsParams:
     """A constraint on a completion (vLLM's names): exactly one of the fields is set.
 
-    The completion ends with finish reason "stop" once the constraint is complete.
+    Once the constraint is complete only EOS may follow (vLLM's rule): the completion ends
+    with it, finish reason "stop", the EOS in its token ids and logprobs (not in its text, as
+    no stop token is, unless `include_stop_str_in_output`), before `min_tokens` too (which
+    yields where the constraint allows only EOS). With `ignore_eos` that EOS ends the
+    constraint and the tokens after it are free, as in vLLM.
     """
 
     json: str | None = None
@@ -394,7 +406,8 @@ class SamplingParams:
     ignore_eos: bool = False
     """Keep generating past the model's EOS tokens."""
     detokenize: bool = True
-    """Fill `CompletionOutput.text` when a completion finishes."""
+    """Fill `CompletionOutput.text`: the output tokens decoded after the prompt (vLLM's
+    detokenizer), without the text of a stop token (EOS, `stop_token_ids`) that ended it."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the completions (JSON Schema, regex, choice, grammar); None: free text."""
     kv_transfer_params: KVTransferParams | None = None
@@ -407,6 +420,7 @@ class SamplingParams:
     `stop_reason` the string. Looked for in the new text of each token, once `min_tokens`
     tokens were generated (the first string of the list found wins)."""
     include_stop_str_in_output: bool = False
+    """Keep the stop string, or the stop token that ended the completion, in its `text`."""
     min_tokens: int = 0
     """EOS and `stop_token_ids` are masked, and stop strings end nothing, until this many tokens
     were generated."""
@@ -442,7 +456,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     """Leave special tokens out of `text`."""
     spaces_between_special_tokens: bool = True
-    """Slow tokenizers: a space between special tokens in `text`."""
+    """With `skip_special_tokens=False`: False joins special tokens in `text` as they are,
+    without a space between them (vLLM's)."""
 
     def __post_init__(self) -> None:
         self._check_stop()
@@ -454,17 +469,7 @@ class SamplingParams:
             isinstance(self.max_tokens, int) and self.max_tokens >= 1,
             f"max_tokens must be >= 1, got {self.max_tokens!r}",
         )
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(
-            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-            f"top_k must be -1 (off) or >= 1, got {self.top_k!r}",
-        )
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(
-            self.repetition_penalty > 0.0,
-            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
-        )
+        self._check_filters()
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}",
@@ -493,6 +498,23 @@ class SamplingParams:
         """A penalty that reads the tokens generated so far (presence, frequency)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    def _check_filters(self) -> None:
+        """Temperature, top-k/p, min-p and the repetition penalty, as the float32 kernels see
+        them: finite, and none that rounds to 0 or inf where that breaks the arithmetic (a
+        top_p that rounds to 0 keeps the most likely token only, as in vLLM)."""
+        _check_real("temperature", self.temperature, ">= 0", lambda t: t >= 0.0)
+        _check(self.temperature <= FLOAT32_MAX,
+               f"temperature {self.temperature} is inf in float32; use at most {FLOAT32_MAX:g}")
+        _check_real("top_p", self.top_p, "in (0, 1]", lambda p: 0.0 < p <= 1.0)
+        _check(
+            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+            f"top_k must be -1 (off) or >= 1, got {self.top_k!r}",
+        )
+        _check_real("min_p", self.min_p, "in [0, 1]", lambda p: 0.0 <= p <= 1.0)
+        _check_real("repetition_penalty", self.repetition_penalty,
+                    f"in [{MIN_REPETITION_PENALTY:g}, {FLOAT32_MAX:g}]; 1 is off",
+                    lambda p: MIN_REPETITION_PENALTY <= p <= FLOAT32_MAX)
+
     def _check_stop(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -506,13 +528,10 @@ class SamplingParams:
 
     def _check_logits_processing(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check(isinstance(value, (int, float)) and -2.0 <= value <= 2.0,
-                   f"{name} must be in [-2, 2], got {value!r}")
+            _check_real(name, getattr(self, name), "in [-2, 2]", lambda v: -2.0 <= v <= 2.0)
         bias = dict(self.logit_bias or {})
-        _check(all(isinstance(t, int) and t >= 0 and isinstance(v, (int, float))
-                   for t, v in bias.items()),
-               f"logit_bias must map token ids (>= 0) to numbers, got {self.logit_bias!r}")
+        _check(all(isinstance(t, int) and t >= 0 and _is_finite_real(v) for t, v in bias.items()),
+               f"logit_bias must map token ids (>= 0) to finite numbers, got {self.logit_bias!r}")
         self.logit_bias = {int(t): max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(v)))
                            for t, v in bias.items()}
         if self.allowed_token_ids is not None:
@@ -543,6 +562,19 @@ class SamplingParams:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise InvalidRequestError(f"invalid SamplingParams: {message}")
+
+
+def _is_finite_real(value: object) -> bool:
+    """A real number (numpy's included, bool not) that is neither NaN nor infinite."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _check_real(name: str, value: object, expected: str, is_in_range) -> None:
+    """A sampling parameter is a finite number in its range; NaN and inf never reach the
+    kernels, where they would make NaN logprobs."""
+    _check(_is_finite_real(value) and is_in_range(float(value)),
+           f"{name} must be {expected} (a finite number), got {value!r}")
 
 
 # -------------------------------------------------------------------------------- outputs

@@ -7,7 +7,13 @@ fills the step's token bitmask ([positions, ceil(num_token_ids / 32)] int32, bit
 
 The tokenizer may know more ids than the model's vocabulary (a special token added on top of a
 checkpoint's embedding): llguidance sees them all, the sampler reads only the model's columns
-of the bitmask, so a grammar may allow such an id but it is never emitted.
+of the bitmask, so a grammar may allow such an id but it is never emitted. llguidance sees the
+tokenizer as it encodes text: an added token that is not special (Qwen's `<tool_call>`) is the
+text it stands for, a special one only itself.
+
+Once the grammar is complete its mask allows only EOS (vLLM's rule): the completion ends with a
+sampled EOS, returned like any token. That EOS ends the constraint; with `ignore_eos` the tokens
+after it are free, as in vLLM.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import concurrent.futures
 import json
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import llguidance
 import llguidance.numpy
@@ -50,12 +57,73 @@ def num_tokenizer_ids(hf_tokenizer) -> int:
     return max(hf_tokenizer.get_vocab().values(), default=-1) + 1
 
 
+def _llguidance_tokenizer(
+    hf_tokenizer, num_token_ids: int, eos_token_ids: Sequence[int]
+) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer for a Hugging Face one, `num_token_ids` ids wide.
+
+    llguidance's own loader takes every added token for a special one, whose bytes no text
+    matches; but the tokenizer encodes an added token's text to it, so a constraint whose text
+    holds it (Qwen's `<tool_call>`) let the token through the mask and then refused it. With
+    such tokens, llguidance gets the tokenizer through a `TokenizerWrapper` instead: the same
+    bytes and the same encoding (the loader's), special only for the tokenizer's special
+    tokens.
+    """
+    import llguidance.hf  # imports transformers (and torch): only where a tokenizer is
+
+    eos = list(eos_token_ids) or None
+    loaded = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=num_token_ids, eos_token=eos)
+    added = hf_tokenizer.added_tokens_decoder  # id -> AddedToken
+    special_ids = {i for i, token in added.items() if token.special}
+    special_ids |= set(hf_tokenizer.all_special_ids)
+    if not set(added) - special_ids:
+        return loaded
+    # An id the tokenizer lacks (the model's vocabulary may be larger) has no bytes.
+    known_ids = set(hf_tokenizer.get_vocab().values())
+    tokens = [loaded.decode_bytes([i]) if i in known_ids else b"" for i in range(num_token_ids)]
+    wrapper = llguidance.TokenizerWrapper(_ByteTokenizer(
+        loaded, tokens, sorted(i for i in special_ids if i < num_token_ids),
+        hf_tokenizer.bos_token_id,
+    ))
+    return llguidance.LLTokenizer(wrapper, n_vocab=num_token_ids, eos_token=eos)
+
+
+class _ByteTokenizer:
+    """What `llguidance.TokenizerWrapper` reads: each id's bytes, the special ids, EOS and BOS,
+    and an encode function (the loaded tokenizer's: the Hugging Face tokenizer, added tokens
+    split out, without the prefix space some add to a whole text)."""
+
+    def __init__(self, loaded: llguidance.LLTokenizer, tokens: list[bytes],
+                 special_token_ids: list[int], bos_token_id: int | None) -> None:
+        self._loaded = loaded
+        self.tokens = tokens
+        self.special_token_ids = special_token_ids
+        self.eos_token_id = loaded.eos_token
+        self.bos_token_id = bos_token_id
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, str):
+            text = text.encode("utf-8")
+        return self._loaded.tokenize_bytes(text)
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A constraint compiled for one tokenizer: the matcher each request copies."""
+
+    matcher: llguidance.LLMatcher
+    eos_token_ids: frozenset[int]
+
+
 class RequestGrammar:
     """One constrained request's matcher, ready once its grammar has compiled."""
 
     def __init__(self, compiled: concurrent.futures.Future) -> None:
         self._compiled = compiled
         self._matcher: llguidance.LLMatcher | None = None
+        self.is_terminated = False
+        """It accepted an EOS: the constraint is over and later tokens are free (vLLM's
+        rule; only a request with `ignore_eos` samples any)."""
 
     @property
     def is_ready(self) -> bool:
@@ -73,17 +141,22 @@ class RequestGrammar:
     @property
     def matcher(self) -> llguidance.LLMatcher:
         if self._matcher is None:
-            self._matcher = self._compiled.result().deep_copy()
+            self._matcher = self._compiled.result().matcher.deep_copy()
         return self._matcher
 
-    def accept(self, token_id: int) -> bool:
-        """Advance by one committed token; False if the grammar refuses it."""
-        return self.matcher.consume_token(token_id)
-
     @property
-    def is_complete(self) -> bool:
-        """The constraint is satisfied and allows nothing more."""
-        return self.matcher.is_stopped()
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._compiled.result().eos_token_ids
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one committed token; False if the grammar refuses it. An EOS it accepts
+        (the only token a complete grammar allows) ends the constraint."""
+        if self.is_terminated:
+            return True
+        if not self.matcher.consume_token(token_id):
+            return False
+        self.is_terminated = token_id in self.eos_token_ids
+        return True
 
 
 class GrammarCompiler:
@@ -95,15 +168,13 @@ class GrammarCompiler:
     """
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
-        import llguidance.hf  # imports transformers (and torch): only where a tokenizer is
-
         self.vocab_size = vocab_size
         """The model's vocabulary: the width of its logits."""
         self.num_token_ids = max(vocab_size, num_tokenizer_ids(hf_tokenizer))
         """The ids llguidance knows, and the bitmask's width in bits (rounded up to 32)."""
-        self.tokenizer = llguidance.hf.from_tokenizer(
-            hf_tokenizer, n_vocab=self.num_token_ids, eos_token=list(eos_token_ids) or None
-        )
+        self.tokenizer = _llguidance_tokenizer(hf_tokenizer, self.num_token_ids, eos_token_ids)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_tokens)
+        """The tokens a complete grammar allows."""
         self._executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="grammar-compile"
         )
@@ -130,12 +201,12 @@ class GrammarCompiler:
                 compiled = self._cache[key] = self._executor.submit(self._compile, grammar)
         return compiled
 
-    def _compile(self, grammar: str) -> llguidance.LLMatcher:
+    def _compile(self, grammar: str) -> CompiledGrammar:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"grammar failed to compile: {matcher.get_error()}")
         self.num_compiled += 1
-        return matcher
+        return CompiledGrammar(matcher, self.eos_token_ids)
 
     def bitmask(
         self, rows: Sequence[tuple[RequestGrammar | None, Sequence[int]]]
@@ -147,23 +218,34 @@ class GrammarCompiler:
         A request's position j is masked in the state after its first j drafts; the matcher
         consumes them and rolls back. A draft the grammar forbids is forbidden by the mask
         before it, so verification rejects it, and the positions after it go unmasked (their
-        tokens are never kept)."""
+        tokens are never kept). So do the positions after a draft EOS: it ends the
+        constraint. A request whose constraint ended is unconstrained."""
         num_positions = sum(len(drafts) + 1 for _, drafts in rows)
         mask = llguidance.numpy.allocate_token_bitmask(num_positions, self.num_token_ids)
         position = 0
         for grammar, drafts in rows:
-            if grammar is not None:
-                matcher = grammar.matcher
-                # Consuming a forbidden token would leave the matcher in its error state.
-                num_valid = matcher.validate_tokens(list(drafts)) if drafts else 0
-                for j in range(num_valid + 1):
-                    llguidance.numpy.fill_next_token_bitmask(matcher, mask, position + j)
-                    if j < num_valid:
-                        assert matcher.consume_token(drafts[j]), matcher.get_error()
-                if num_valid:
-                    matcher.rollback(num_valid)
+            if grammar is not None and not grammar.is_terminated:
+                self._fill_positions(grammar.matcher, list(drafts), mask, position)
             position += len(drafts) + 1
         return mask
+
+    def _fill_positions(
+        self, matcher: llguidance.LLMatcher, drafts: list[int], mask: np.ndarray, position: int
+    ) -> None:
+        """Mask one request's positions, from `position` on, through its drafts up to the
+        first it forbids or the first EOS."""
+        num_before_eos = next(
+            (j for j, draft in enumerate(drafts) if draft in self.eos_token_ids), len(drafts)
+        )
+        # Consuming a forbidden token would leave the matcher in its error state; a complete
+        # matcher validates nothing (it allows only EOS, at the position after it).
+        num_valid = matcher.validate_tokens(drafts[:num_before_eos]) if num_before_eos else 0
+        for j in range(num_valid + 1):
+            llguidance.numpy.fill_next_token_bitmask(matcher, mask, position + j)
+            if j < num_valid:
+                assert matcher.consume_token(drafts[j]), matcher.get_error()
+        if num_valid:
+            matcher.rollback(num_valid)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -6,9 +6,10 @@ Per sampled position, in this order (greedy and sampled rows alike):
    bitmask, `allowed_token_ids` (every other token), `bad_words` (vLLM's rule: a one-token
    word always; a longer word's last token where the output ends with its other tokens) and
    `min_tokens` (EOS, unless `ignore_eos`, and `stop_token_ids` while the position's output
-   index is below `min_tokens`). A position whose masks leave no token is a dead end: the
-   sampler answers NO_ALLOWED_TOKEN_ID there (its logits are left unmasked, so nothing
-   downstream sees a row of -inf and makes NaNs).
+   index is below `min_tokens`; for a constrained row, not where the other masks allow only
+   stop tokens: vLLM's rule, so a complete grammar still ends with its EOS). A position
+   whose masks leave no token is a dead end: the sampler answers NO_ALLOWED_TOKEN_ID there
+   (its logits are left unmasked, so nothing downstream sees a row of -inf and makes NaNs).
 2. `logit_bias` is added.
 3. Penalties: repetition (Hugging Face's rule over prompt + output), then frequency
    (`logit -= frequency_penalty * count`) and presence (`logit -= presence_penalty` if
@@ -145,14 +146,17 @@ def _add_bad_words(
 
 def _add_min_tokens(
     row: SamplingRow, positions: np.ndarray, vocab_size: int,
-    eos_token_ids: Sequence[int], banned: _Pairs,
+    eos_token_ids: Sequence[int], stop_banned: _Pairs, yielding: list[np.ndarray],
 ) -> None:
     params = row.params
     stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
     stop_ids = _token_ids(stop_ids, vocab_size)
     num_masked = min(len(positions), params.min_tokens - row.first_output_index)
     if len(stop_ids) and num_masked > 0:
-        banned.add(np.repeat(positions[:num_masked], len(stop_ids)), np.tile(stop_ids, num_masked))
+        masked = positions[:num_masked]
+        stop_banned.add(np.repeat(masked, len(stop_ids)), np.tile(stop_ids, num_masked))
+        if params.structured_outputs is not None:
+            yielding.append(masked)
 
 
 def _add_logit_bias(
@@ -243,14 +247,18 @@ def processing_arrays(
 
     - masks: `restricted_positions` [A] (rows with `allowed_token_ids`), whose
       `allowed_positions`/`allowed_tokens` [N] pairs stay; `banned_positions`/`banned_tokens`
-      [N] pairs (bad words, min_tokens).
+      [N] pairs (bad words); `stop_banned_positions`/`stop_banned_tokens` [N] pairs
+      (min_tokens), lifted at the `yielding_positions` [Y] (constrained rows) where the other
+      masks leave nothing else.
     - `bias_positions`/`bias_tokens`/`bias_values` [N] (float32, added).
     - `seen_positions`/`seen_tokens` [N] and `penalty` [P] (repetition).
     - `output_penalty_positions`/`output_penalty_tokens`/`output_penalty_values` [N]
       (float32, added: -(frequency * count + presence)).
     """
     restricted: list[np.ndarray] = []
-    allowed, banned, bias, seen = _Pairs(), _Pairs(), _Pairs(), _Pairs()
+    yielding: list[np.ndarray] = []
+    allowed, banned, stop_banned = _Pairs(), _Pairs(), _Pairs()
+    bias, seen = _Pairs(), _Pairs()
     output_penalty = _OutputPenalty(vocab_size, num_positions)
     penalty = None
     for row, (start, end) in zip(rows, spans):
@@ -261,7 +269,7 @@ def processing_arrays(
         if row.bad_words_token_ids:
             _add_bad_words(row, positions, vocab_size, banned)
         if params.min_tokens > row.first_output_index:
-            _add_min_tokens(row, positions, vocab_size, eos_token_ids, banned)
+            _add_min_tokens(row, positions, vocab_size, eos_token_ids, stop_banned, yielding)
         if params.logit_bias:
             _add_logit_bias(row, positions, vocab_size, bias)
         if params.repetition_penalty != 1.0:
@@ -270,16 +278,19 @@ def processing_arrays(
             _add_repetition(row, positions, vocab_size, seen, penalty)
         if params.any_output_penalty:
             output_penalty.add(row, positions)
-    arrays = allowed.arrays("allowed") | banned.arrays("banned")
+    arrays = allowed.arrays("allowed") | banned.arrays("banned") | stop_banned.arrays("stop_banned")
     if restricted:
         arrays["restricted_positions"] = np.concatenate(restricted)
+    if yielding:
+        arrays["yielding_positions"] = np.concatenate(yielding)
     arrays |= bias.arrays("bias") | output_penalty.arrays()
     if penalty is not None:
         empty = np.zeros(0, dtype=np.int64)
         arrays |= {"seen_positions": empty, "seen_tokens": empty} | seen.arrays("seen")
         arrays["penalty"] = penalty
     processing = LogitsProcessing(
-        any_mask="restricted_positions" in arrays or "banned_positions" in arrays,
+        any_mask=any(name in arrays for name in (
+            "restricted_positions", "banned_positions", "stop_banned_positions")),
         any_logit_bias="bias_positions" in arrays,
         any_repetition_penalty=penalty is not None,
         any_output_penalty="output_penalty_positions" in arrays,
@@ -367,7 +378,27 @@ def _removed_tokens(
         removed = removed.contiguous()
         index = tensors["banned_positions"] * shape[1] + tensors["banned_tokens"]
         removed.view(-1).index_fill_(0, index, True)
+    if "stop_banned_positions" in tensors:
+        removed = _ban_stop_tokens(shape, tensors, removed, device)
     return removed
+
+
+def _ban_stop_tokens(
+    shape: tuple[int, int], tensors: dict[str, torch.Tensor], removed: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """`removed` plus min_tokens' stop tokens, except at yielding positions (constrained rows)
+    that would be left without a token: there the grammar allows only stop tokens (it is
+    complete), and vLLM lets them through."""
+    stop_banned = torch.zeros(shape, dtype=torch.bool, device=device)
+    index = tensors["stop_banned_positions"] * shape[1] + tensors["stop_banned_tokens"]
+    stop_banned.view(-1).index_fill_(0, index, True)
+    if "yielding_positions" in tensors:
+        combined = stop_banned if removed is None else stop_banned | removed
+        is_yielding = torch.zeros(shape[0], dtype=torch.bool, device=device)
+        is_yielding.index_fill_(0, tensors["yielding_positions"], True)
+        stop_banned.masked_fill_((is_yielding & combined.all(-1))[:, None], False)  # [P, 1]
+    return stop_banned if removed is None else removed.logical_or_(stop_banned)
 
 
 def process_logits(

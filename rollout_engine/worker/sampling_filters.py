@@ -3,6 +3,9 @@
 One (partial) sort per batch: top-p first looks for its nucleus among a few most likely tokens
 and falls back to a full sort only for rows whose nucleus reaches past them (or sorts the whole
 vocabulary at once on a GPU, where the fallback's check would sync).
+
+None of the filters can empty a row: top-k keeps its k-th token and every larger one, top-p
+keeps the most likely token whatever `top_p` is, and min-p keeps every token at the maximum.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ def _top_k_top_p_removed(
     log_z = logits.masked_fill(removed, float("-inf")).logsumexp(-1, keepdim=True)  # [S, 1]
     probs = (values.masked_fill(values < kth_value, float("-inf")) - log_z).exp()  # [S, K]
     kept_sorted = probs.cumsum(-1) - probs < top_p[:, None]  # mass strictly before < top_p
+    # vLLM's rule: the nucleus always holds the most likely token, so no top_p (1e-50 is 0 in
+    # float32) leaves a row without support.
+    kept_sorted[:, 0] = True
     nucleus_removed = torch.ones_like(removed).scatter_(1, ids, ~kept_sorted)
     uses_top_p = top_p < 1.0
     removed = torch.where(uses_top_p[:, None], removed | nucleus_removed, removed)

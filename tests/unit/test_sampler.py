@@ -147,6 +147,23 @@ def test_filter_logits_off_is_identity() -> None:
     assert torch.equal(off, logits)
 
 
+@pytest.mark.parametrize("top_k", [-1, 3, 100])
+@pytest.mark.parametrize("top_p", [1e-50, 1e-12])
+def test_top_p_always_keeps_the_most_likely_token(top_p: float, top_k: int) -> None:
+    """vLLM's rule: whatever top_p, the nucleus holds the most likely token. Before the fix
+    top_p=1e-50 (0 in float32) removed every token: token vocab-1 with a NaN logprob."""
+    num_rows, vocab_size = 6, 2048
+    logits = random_logits(num_rows, vocab_size, scale=0.5, seed=5)  # flat: full-sort fallback
+    filtered = filter_logits(logits, torch.full((num_rows,), top_k), torch.full((num_rows,), top_p),
+                             torch.zeros(num_rows))
+    assert torch.equal(filtered.isfinite().sum(-1), torch.ones(num_rows, dtype=torch.long))
+    assert torch.equal(filtered.argmax(-1), logits.argmax(-1))
+    rows = [make_row(seed=i, top_p=top_p, top_k=top_k, logprobs=1) for i in range(num_rows)]
+    results = Sampler(seed=0)(logits, rows)
+    assert first_tokens(results).tolist() == logits.argmax(-1).tolist()
+    assert all(r.logprobs == [0.0] and r.top_logprobs[0].logprobs == [0.0, 0.0] for r in results)
+
+
 @pytest.mark.parametrize("case", FILTER_CASES)
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_sampled_tokens_stay_inside_the_filtered_set(

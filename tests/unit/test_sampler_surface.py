@@ -406,6 +406,33 @@ def test_masks_and_the_grammar_bitmask_combine() -> None:
     assert results[1].token_ids == [NO_ALLOWED_TOKEN_ID]
 
 
+def test_min_tokens_yields_to_a_grammar_that_allows_only_stop_tokens() -> None:
+    """vLLM's rule: a constrained row whose grammar allows only EOS (it is complete) samples
+    the EOS even before min_tokens; where the grammar allows more, min_tokens masks EOS. A
+    row without a constraint is a dead end as before."""
+    from rollout_engine.protocol import StructuredOutputsParams
+
+    vocab = 64
+    choice = StructuredOutputsParams(choice=["yes"])
+    rows = [
+        make_row(temperature=0.0, min_tokens=5, structured_outputs=choice, logprobs=0),
+        make_row(seed=1, min_tokens=5, structured_outputs=choice),
+        make_row(temperature=0.0, min_tokens=5, structured_outputs=choice),
+        make_row(temperature=0.0, min_tokens=5, allowed_token_ids=[EOS]),
+    ]
+    logits = random_logits(4, vocab, seed=9)
+    logits[2, EOS] = 100.0
+    only_eos = torch.zeros(4, 2, dtype=torch.int32)
+    only_eos[:, 0] = 1 << EOS
+    only_eos[2, 1] = 1 << 3  # EOS or token 35
+    sampler = Sampler(eos_token_ids=(EOS,))
+    plan = sampler.plan(rows, vocab)
+    tensors = {name: torch.from_numpy(a) for name, a in plan.arrays.items()}
+    results = sampler.to_results(*sampler.sample_positions(logits, plan, tensors, only_eos), plan)
+    assert [r.token_ids for r in results] == [[EOS], [EOS], [35], [NO_ALLOWED_TOKEN_ID]]
+    assert results[0].logprobs == [0.0] and results[1].logprobs == [0.0]
+
+
 # ---------------------------------------------------------------- top-k logprobs
 
 

@@ -33,37 +33,52 @@ from rollout_engine.worker.tp_group import TPGroup
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """What differs between the supported families."""
+    """What differs between the supported families (as their transformers modeling code reads
+    the config; `native_config.py` checks the config fields themselves)."""
 
     qkv_bias: bool | None = None
     """Force q/k/v bias (Qwen2); None follows config.attention_bias."""
     o_bias: bool | None = None
     """Force the o_proj bias (Qwen2 has none); None follows config.attention_bias."""
+    mlp_bias: bool | None = False
+    """Force the MLP biases (Qwen2 and Qwen3 have none, whatever the config says); None
+    follows config.mlp_bias (Llama)."""
     qk_norm: bool = False
     """RMSNorm of q and k per head before RoPE (Qwen3)."""
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "LlamaForCausalLM": ArchSpec(),
+    "LlamaForCausalLM": ArchSpec(mlp_bias=None),
     "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, o_bias=False),
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
 }
 
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+_MODEL_TYPES_WITHOUT_WINDOWS = frozenset({"llama"})
+"""Model types whose transformers modeling code reads neither `layer_types` nor
+`sliding_window`: every layer attends over the whole sequence, whatever the config holds."""
 
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def arch_spec_of(config) -> ArchSpec:
+    """The native family of a config (Llama when it names no architecture)."""
+    return ARCHITECTURES[(getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]]
+
+
 def sliding_windows_of(config) -> list[int | None]:
     """Per layer, its sliding window (None: full attention), as transformers reads the config:
-    `layer_types` when present, else `sliding_window` (if set) for every layer. ModelLoadError
-    for a layer type this decoder cannot run. `sliding_window` is checked only where a layer
-    uses it (Qwen2-MoE sets it to 0 when no layer slides)."""
+    `layer_types` when present, else `sliding_window` (if set) for every layer; never for
+    Llama, whose modeling code reads neither. ModelLoadError for a layer type this decoder
+    cannot run. `sliding_window` is checked only where a layer uses it (Qwen2-MoE sets it to 0
+    when no layer slides)."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
+    if config.model_type in _MODEL_TYPES_WITHOUT_WINDOWS:
+        return [None] * config.num_hidden_layers
     if layer_types is None:
         windows = [window] * config.num_hidden_layers
     else:
@@ -143,8 +158,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, spec, tp, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, mlp_bias, tp)
+        mlp_bias = spec.mlp_bias
+        if mlp_bias is None:
+            mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, mlp_bias, tp,
+                            config.hidden_act)
 
     def forward(self, hidden, rope, kv_cache, metadata) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
@@ -167,10 +185,9 @@ class DecoderForCausalLM(nn.Module):
 
     def __init__(self, config, max_positions: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        architecture = (config.architectures or ["LlamaForCausalLM"])[0]
         self.config = config
         self.tp = tp = tp or TPGroup()
-        self.model = DecoderModel(config, ARCHITECTURES[architecture], max_positions, tp)
+        self.model = DecoderModel(config, arch_spec_of(config), max_positions, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)

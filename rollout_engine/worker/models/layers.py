@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +30,11 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+"""RoPE types the native decoder runs: fixed tables, computed by transformers' own functions
+for the scaled ones (not "dynamic" or "longrope", whose frequencies follow the batch)."""
+
+
 def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling for the config's RoPE type."""
     rope = dict(config.rope_parameters or {})
@@ -37,7 +45,7 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type in ("dynamic", "longrope"):
+    if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}")
     return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
 
@@ -84,14 +92,27 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+"""`config.hidden_act` values the native MLP runs: the very functions transformers' ACT2FN
+calls for them. Any other value goes to the transformers backend (`native_config.py`)."""
+
+
 class GatedMLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)); gate/up split by output rows and down by
-    input columns across tensor-parallel ranks."""
+    """Gated MLP: down(act(gate(x)) * up(x)) (SwiGLU with SiLU); gate/up split by output rows
+    and down by input columns across tensor-parallel ranks."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool, tp: TPGroup | None = None
+        self, hidden_size: int, intermediate_size: int, bias: bool, tp: TPGroup | None = None,
+        hidden_act: str = "silu",
     ) -> None:
         super().__init__()
+        self.act = ACTIVATIONS[hidden_act]
         tp = tp or TPGroup()
         rows = split_evenly(intermediate_size, tp.size, tp.rank, "intermediate_size")
         self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, rows, tp)
@@ -103,5 +124,5 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_gate_up is not None:
             gate, up = self.packed_gate_up(x)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -12,11 +12,8 @@ import torch
 from torch import nn
 
 from rollout_engine.protocol import ModelLoadError
-from rollout_engine.worker.models.decoder import (
-    ARCHITECTURES,
-    DecoderForCausalLM,
-    sliding_windows_of,
-)
+from rollout_engine.worker.models.decoder import DecoderForCausalLM
+from rollout_engine.worker.models.native_config import unimplemented_fields
 from rollout_engine.worker.tp_group import TPGroup
 
 # Allocates a parameter's storage: (shape, dtype) -> tensor. The memory manager passes
@@ -46,28 +43,43 @@ def load_hf_config(model_dir: str, model_impl: str = "auto"):
         config = AutoConfig.from_pretrained(model_dir)
     except (ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"cannot read the config in {model_dir!r}: {exc}") from exc
-    if resolve_model_impl(config, model_impl) == "native":
-        sliding_windows_of(config)  # a layer type we cannot run is refused here, with the reason
-    else:
-        from rollout_engine.worker.models.transformers_backend import check_config
-
-        check_config(config)
+    if resolve_model_impl(config, model_impl) == "transformers":
+        _check_transformers_config(config, model_impl)
     return config
 
 
 def resolve_model_impl(hf_config, model_impl: str) -> ResolvedModelImpl:
-    """The modeling code that runs this config: "auto" takes the native decoder for the
-    architectures it has and the transformers backend for every other one; ModelLoadError
-    for "native" on an architecture it does not have."""
-    architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
-    if model_impl == "transformers" or (model_impl == "auto" and architecture not in ARCHITECTURES):
+    """The modeling code that runs this config: "auto" takes the native decoder when it
+    implements the architecture and every config field that changes the model
+    (`native_config.NATIVE_CONFIG_FIELDS`), the transformers backend otherwise; ModelLoadError
+    naming what it lacks for "native"."""
+    if model_impl == "transformers":
         return "transformers"
-    if architecture not in ARCHITECTURES:
-        raise ModelLoadError(
-            f"architecture {architecture!r} has no native implementation (native: "
-            f"{sorted(ARCHITECTURES)}); use model_impl='transformers' or 'auto'"
-        )
-    return "native"
+    unimplemented = unimplemented_fields(hf_config)
+    if not unimplemented:
+        return "native"
+    if model_impl == "auto":
+        return "transformers"
+    raise ModelLoadError(
+        f"the native decoder cannot run this checkpoint: {'; '.join(unimplemented)}; use "
+        "model_impl='transformers' or 'auto'"
+    )
+
+
+def _check_transformers_config(config, model_impl: str) -> None:
+    """The transformers backend's refusal, with what the native decoder lacks when "auto"
+    fell back to the backend for it."""
+    from rollout_engine.worker.models.transformers_backend import check_config
+
+    try:
+        check_config(config)
+    except ModelLoadError as exc:
+        unimplemented = unimplemented_fields(config) if model_impl == "auto" else []
+        if unimplemented:
+            raise ModelLoadError(
+                f"{exc}; and the native decoder cannot run it either: {'; '.join(unimplemented)}"
+            ) from exc
+        raise
 
 
 def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
