@@ -231,6 +231,12 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     http.add_argument("--served-model-name", nargs="+", default=(),
                       help="the names requests may give as `model`; the first is reported "
                       "(default: the --model path)")
+    http.add_argument("--trust-request-chat-template", action="store_true",
+                      help="render the chat_template a request sends (it runs in the server); "
+                      "without it such requests get 400")
+    http.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                      help="serve GET /tokenizer_info (the tokenizer's configuration and chat "
+                      "template)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                         default="auto", help="(default: %(default)s)")
@@ -333,6 +339,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             api_key=(args.api_key or None) if args.http_port is not None else None,
             enable_control_endpoints=args.enable_control_endpoints,
             served_model_names=tuple(args.served_model_name),
+            trust_request_chat_template=args.trust_request_chat_template,
+            enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         )
         engine_config = EngineConfig.from_kwargs(args.model, **options)
     except ValueError as exc:

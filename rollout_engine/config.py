@@ -251,6 +251,12 @@ class ServerConfig:
     served_model_names: tuple[str, ...] = ()
     """The names HTTP requests may give as `model` (the first is reported); () takes the
     model path."""
+    trust_request_chat_template: bool = False
+    """Render a chat request's own `chat_template` (vLLM's flag); without it such a request
+    gets 400: a template is code that runs in the server."""
+    enable_tokenizer_info_endpoint: bool = False
+    """Serve `GET /tokenizer_info` (vLLM's flag): the tokenizer's configuration, chat template
+    included."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
@@ -269,8 +275,11 @@ class ServerConfig:
 
     def _check_http(self) -> None:
         if self.http_port is None:
-            _require(self.api_key is None and not self.enable_control_endpoints,
-                     "--api-key and --enable-control-endpoints apply to the HTTP server: set "
+            http_only = (self.api_key is not None, self.enable_control_endpoints,
+                         self.trust_request_chat_template, self.enable_tokenizer_info_endpoint)
+            _require(not any(http_only),
+                     "--api-key, --enable-control-endpoints, --trust-request-chat-template and "
+                     "--enable-tokenizer-info-endpoint apply to the HTTP server: set "
                      "--http-port too")
             return
         _require(0 <= self.http_port <= 65535,

@@ -34,6 +34,7 @@ from rollout_engine.protocol import (
     check_memory_tags,
     check_sleep_mode,
 )
+from rollout_engine.request_stats import RequestStats, RequestStatsSnapshot
 from rollout_engine.step_executor import FailedSteps, LandedStep, make_executor, run_here
 from rollout_engine.step_failures import dead_end_error, step_error
 from rollout_engine.worker.cpu_threads import CpuThreadPolicy
@@ -56,7 +57,7 @@ class LLMEngine:
         model_dir = config.model_config.model
         self.hf_config = load_hf_config(model_dir, config.model_config.model_impl)
         max_model_len = _max_model_len(config, self.hf_config)
-        self.processor = Processor(model_dir, self.hf_config)
+        self.processor = Processor(model_dir, self.hf_config, max_model_len)
         self.memory_events = MemoryEventLog(config.memory_config.timeline_max_events)
         """Sleep, wake and weight-update events of this engine, with their timing."""
         self.worker = _worker_class(config)(
@@ -78,7 +79,9 @@ class LLMEngine:
         self.drafter = None
         if spec_config.enabled and not self.async_scheduling:
             self.drafter = SpecDecoder(spec_config, max_model_len)
-        self.output_processor = OutputProcessor(self.processor.decode)
+        self.output_processor = OutputProcessor(
+            RequestStats(max_model_len, config.cache_config.enable_prefix_caching),
+        )
         self._grammar_compiler: GrammarCompiler | None = None  # built at the first constraint
         self.cpu_threads: CpuThreadPolicy | None = None
         """On the CPU: the forward's OpenMP thread count (fixed, or the cores left free)."""
@@ -156,7 +159,8 @@ class LLMEngine:
             )
             if compiled is not None:
                 child.grammar = RequestGrammar(compiled)
-            child.stop_checker = self.processor.stop_checker(sampling_params, token_ids)
+            completion_text = self.processor.completion_text(sampling_params, token_ids)
+            child.stop_checker = None if completion_text is None else completion_text.stop_checker
             child.bad_words_token_ids = bad_words
             if j == 0 and sampling_params.prompt_logprobs is not None:
                 # One sample computes them for the prompt; its siblings reuse its KV.
@@ -168,6 +172,7 @@ class LLMEngine:
                 self.scheduler.finish_requests([c.request_id for c in group.children])
                 raise
             group.children.append(child)
+            group.texts.append(completion_text)
         self.output_processor.add(group)
 
     def _grammars(self) -> GrammarCompiler:
@@ -272,6 +277,7 @@ class LLMEngine:
         if not self.worker.is_ready and not self.scheduler.is_paused:
             return False  # asleep with requests kept: no step may run until the memory is back
         scheduler_output = self.scheduler.schedule()
+        self.output_processor.stats.on_scheduled(scheduler_output.new_requests)
         if scheduler_output.kv_loads:
             self.kv_connector.start(scheduler_output.kv_loads)
         if scheduler_output.is_empty:
@@ -476,7 +482,9 @@ class LLMEngine:
         """Map the named pools ("weights", "kv_cache"; all by default) again at the same addresses.
 
         Offloaded weights are restored. Weights discarded by sleep(level=2) stay invalid until
-        a complete `update_weights`. Waking the KV cache resets the prefix cache.
+        a complete `update_weights`. Waking the KV cache resets the prefix cache. Requests kept
+        across a level-2 sleep stay frozen until that update (not an error: the RL step pushes
+        the weights next); a warning says so when everything is awake but the weights.
         """
         tags = check_memory_tags(tags)
         with self.memory_events.span("engine_wake_up", tags=tags):
@@ -484,6 +492,12 @@ class LLMEngine:
             self.worker.wake_up(tags)
             if KV_CACHE_TAG in tags:
                 self.reset_prefix_cache()
+        memory = self.memory_state()
+        if self.num_unfinished_requests and not memory.is_sleeping and not memory.weights_valid:
+            logger.warning(
+                "%d kept requests wait for a weight update: the weights (discarded by "
+                "sleep(level=2)) are invalid until a complete update_weights(...)",
+                self.num_unfinished_requests)
 
     def release_kv_cache_memory(self) -> list[RequestOutput]:
         """Abort in-flight requests and release the KV pool only; their outputs are returned."""
@@ -555,7 +569,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, float]:
-        """Counters: KV blocks, preemptions, prefix-cache hits, speculative decoding."""
+        """Counters: KV blocks, requests running and waiting, preemptions, prefix-cache queries
+        and hits, prompt and generated tokens, finished requests, speculative decoding."""
         stats: dict[str, float] = {
             "weight_version": self.weight_version,
             "num_unfinished_requests": self.num_unfinished_requests,
@@ -563,12 +578,19 @@ class LLMEngine:
             "num_free_blocks": self.scheduler.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_prefix_hit_tokens": self.scheduler.num_prefix_hit_tokens,
+            "num_running_requests": self.scheduler.num_running_requests,
+            "num_waiting_requests": len(self.scheduler.waiting),
+            **self.output_processor.stats.counters(),
         }
         if self.drafter is not None:
             stats.update({f"spec_{k}": v for k, v in self.drafter.stats.as_dict().items()})
         if self.kv_connector is not None:
             stats.update(self.kv_connector.stats())
         return stats
+
+    def request_stats(self) -> RequestStatsSnapshot:
+        """Per-request timings and token counts since start (vLLM's request metrics)."""
+        return self.output_processor.stats.snapshot()
 
     def info(self) -> EngineInfo:
         """What this engine is and how it is doing, as the server and clients see it."""

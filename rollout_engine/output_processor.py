@@ -3,23 +3,28 @@
 Per step, the work done here is proportional to what the step produced: the prompts that got
 tokens are found from the step's updated requests, and a prompt's output copies only what its
 output kind asks for (nothing until it finishes for FINAL_ONLY, the new tokens for DELTA).
-Only CUMULATIVE outputs copy every token so far, at every step.
+Only CUMULATIVE outputs copy every token so far, at every step. Text likewise: a DELTA output
+decodes its new tokens, any other a sample's text once it finished (rollout_engine.detokenizer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rollout_engine.core.request import Request
 from rollout_engine.protocol import (
     CompletionOutput,
     RequestOutput,
     RequestOutputKind,
-    SamplingParams,
     TopLogprobs,
     WeightVersionSpan,
 )
+from rollout_engine.request_stats import RequestStats
+
+if TYPE_CHECKING:
+    from rollout_engine.detokenizer import CompletionText
 
 
 @dataclass
@@ -38,6 +43,8 @@ class RequestGroup:
     """Per sample, whether an earlier output already reported it finished."""
     sent_prompt_logprobs: bool = False
     """DELTA: whether an earlier output carried the prompt logprobs."""
+    texts: list[CompletionText | None] = field(default_factory=list)
+    """Per sample, its text (None: not decoded)."""
 
     @property
     def is_finished(self) -> bool:
@@ -51,8 +58,9 @@ class OutputProcessor:
     final output (after an abort) has not been handed out yet.
     """
 
-    def __init__(self, decode: Callable[[list[int], SamplingParams], str]) -> None:
-        self._decode = decode
+    def __init__(self, stats: RequestStats | None = None) -> None:
+        self.stats = stats if stats is not None else RequestStats()
+        """Per-request timings and token counts, recorded as outputs are made."""
         self._groups: dict[str, RequestGroup] = {}
         self._group_of: dict[str, str] = {}  # child request id -> group request id
         self._aborted: dict[str, None] = {}  # groups whose final output is owed, in order
@@ -79,6 +87,7 @@ class OutputProcessor:
         group.sent_finished = [False] * num_children
         self._groups[group.request_id] = group
         self._group_of.update((child.request_id, group.request_id) for child in group.children)
+        self.stats.on_added(group.children)
 
     def output_kind(self, group_id: str) -> RequestOutputKind:
         return self._groups[group_id].output_kind
@@ -110,6 +119,8 @@ class OutputProcessor:
 
         A prompt's output is final once all its requests finished; it is then forgotten.
         """
+        updated = list(updated)
+        self.stats.on_tokens(updated)
         group_ids = dict.fromkeys(self._group_of[r.request_id] for r in updated)
         group_ids.update(self._aborted)
         self._aborted.clear()
@@ -135,6 +146,7 @@ class OutputProcessor:
         output = RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.prompt,
                                self._prompt_logprobs(group))
         if output.finished:
+            self.stats.on_finished(group.children)
             del self._groups[group.request_id]
             for child in group.children:
                 del self._group_of[child.request_id]
@@ -160,21 +172,14 @@ class OutputProcessor:
         if newly_finished:
             self.num_finished_tokens += request.num_output_tokens
         first_token = first_logprob = 0
-        with_text = request.is_finished
         if group.output_kind is RequestOutputKind.DELTA:
             first_token, first_logprob = group.num_sent_tokens[j], group.num_sent_logprobs[j]
             group.num_sent_tokens[j] = request.num_output_tokens
             group.num_sent_logprobs[j] = len(request.output_logprobs)
-            with_text = newly_finished  # once, with the sample's last tokens
         token_ids = request.output_token_ids[first_token:]
         self.num_token_ids_copied += len(token_ids)
         params = request.sampling_params
-        text = ""
-        if with_text and params.detokenize:
-            checker = request.stop_checker
-            text = checker.text if checker is not None else self._decode(
-                request.output_token_ids, params
-            )
+        text = self._text(group, j, has_news=bool(token_ids) or newly_finished)
         return CompletionOutput(
             index=request.sample_index,
             token_ids=token_ids,
@@ -191,3 +196,20 @@ class OutputProcessor:
             weight_versions=[WeightVersionSpan(s.version, s.start, s.end)
                              for s in request.weight_versions],
         )
+
+    @staticmethod
+    def _text(group: RequestGroup, j: int, has_news: bool) -> str:
+        """Sample j's text in this output: for DELTA the text new since its previous output,
+        else all of it once it finished (decoded then, once)."""
+        request = group.children[j]
+        completion_text = group.texts[j] if group.texts else None
+        if completion_text is None or not request.sampling_params.detokenize:
+            return ""
+        if group.output_kind is RequestOutputKind.DELTA:
+            if not has_news:
+                return ""
+            return completion_text.delta(request.output_token_ids, request.is_finished,
+                                         request.ended_by_stop_token)
+        if not request.is_finished:
+            return ""
+        return completion_text.final(request.output_token_ids, request.ended_by_stop_token)

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
-from rollout_engine.detokenizer import IncrementalDetokenizer, StopChecker
-from rollout_engine.protocol import InvalidRequestError, SamplingParams
+from rollout_engine.detokenizer import CompletionText
+from rollout_engine.prompt_text import check_prompt_length, check_text, max_prompt_chars
+from rollout_engine.protocol import InvalidRequestError, SamplingParams, StructuredOutputsParams
 
 
 class Processor:
     """The model directory's tokenizer (if any) and what the engine needs to know of it."""
 
-    def __init__(self, model_dir: str, hf_config) -> None:
+    def __init__(self, model_dir: str, hf_config, max_model_len: int | None = None) -> None:
         self.tokenizer = _load_tokenizer(model_dir)
         self.vocab_size: int = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(model_dir, hf_config, self.tokenizer)
+        self.max_model_len = max_model_len
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, max_model_len)
+        """Longer text prompts cannot fit `max_model_len` tokens: refused untokenized."""
 
     def encode(
         self, prompt: str | Sequence[int], truncate_prompt_tokens: int | None = None
@@ -23,9 +27,8 @@ class Processor:
         """(text or None, token ids) of a prompt, its last `truncate_prompt_tokens` tokens if
         set; InvalidRequestError for anything unusable."""
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer; send token ids")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
+            text = prompt
+            token_ids = self.encode_text(prompt, fit_model=truncate_prompt_tokens is None)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             text, token_ids = None, list(prompt)
         else:
@@ -41,9 +44,21 @@ class Processor:
             token_ids = token_ids[-truncate_prompt_tokens:]
         return text, token_ids
 
+    def encode_text(self, text: str, add_special_tokens: bool = True, fit_model: bool = True,
+                    what: str = "the prompt") -> list[int]:
+        """The token ids of a text; InvalidRequestError, before any tokenizer work, for text no
+        tokenizer takes, or with `fit_model` too long to fit the model in any tokenization (a
+        prompt to be truncated, or text only counted, may be longer)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer; send token ids")
+        check_text(text, what)
+        if fit_model:
+            check_prompt_length(text, self.max_prompt_chars, self.max_model_len, what)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     def check(self, params: SamplingParams) -> None:
         """InvalidRequestError for what only the model can tell is wrong: token ids past its
-        vocabulary, text features without a tokenizer."""
+        vocabulary, text features without a tokenizer, constraints no grammar library takes."""
         for name, ids in (("logit_bias", list(params.logit_bias)),
                           ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = [t for t in ids if t >= self.vocab_size]
@@ -52,6 +67,9 @@ class Processor:
                     f"{name} names token ids {bad[:5]} outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
+        if params.structured_outputs is not None:  # llguidance takes UTF-8 text only
+            for what, text in _constraint_texts(params.structured_outputs):
+                check_text(text, what)
         needs_tokenizer = [name for name in ("stop", "bad_words") if getattr(params, name)]
         if needs_tokenizer and self.tokenizer is None:
             raise InvalidRequestError(
@@ -63,7 +81,8 @@ class Processor:
         """Each bad word as token ids, alone and after a space when that gives other tokens of
         the same length (vLLM's rule: a word can appear either way in the output)."""
         sequences: list[list[int]] = []
-        for word in params.bad_words:
+        for i, word in enumerate(params.bad_words):
+            check_text(word, f"bad_words[{i}]")
             alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             sequences.append(alone)
@@ -71,24 +90,22 @@ class Processor:
                 sequences.append(spaced)
         return [s for s in sequences if s and all(t < self.vocab_size for t in s)]
 
-    def stop_checker(self, params: SamplingParams, prompt_token_ids: list[int]) -> StopChecker | None:
-        """The stop-string finder of one completion (None without stop strings)."""
-        if not params.stop:
+    def completion_text(self, params: SamplingParams, prompt_token_ids: list[int]
+                        ) -> CompletionText | None:
+        """The text of one completion (its stop-string finder with it); None when nothing is
+        decoded (no tokenizer, or `detokenize=False` without stop strings)."""
+        if self.tokenizer is None or not (params.detokenize or params.stop):
             return None
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, params.skip_special_tokens
-        )
-        return StopChecker(detokenizer, params.stop, params.include_stop_str_in_output,
-                           params.min_tokens)
+        return CompletionText(self.tokenizer, prompt_token_ids, params)
 
-    def decode(self, token_ids: list[int], params: SamplingParams | None = None) -> str:
-        if self.tokenizer is None:
-            return ""
-        params = params or SamplingParams()
-        kwargs = {"skip_special_tokens": params.skip_special_tokens}
-        if not params.spaces_between_special_tokens:
-            kwargs["spaces_between_special_tokens"] = False  # slow tokenizers read it
-        return self.tokenizer.decode(token_ids, **kwargs)
+
+def _constraint_texts(constraint: StructuredOutputsParams) -> Iterator[tuple[str, str]]:
+    for name in ("json", "regex", "grammar"):
+        text = getattr(constraint, name)
+        if isinstance(text, str):
+            yield f"structured_outputs.{name}", text
+    for i, choice in enumerate(constraint.choice or []):
+        yield f"structured_outputs.choice[{i}]", choice
 
 
 def _load_tokenizer(model_dir: str):

@@ -30,3 +30,11 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def llama_dir(tiny_model_dirs) -> Path:
     return tiny_model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def metaspace_model_dir(tmp_path_factory, llama_dir) -> Path:
+    """The tiny llama with a SentencePiece-style tokenizer (tests/metaspace_model.py)."""
+    from tests.metaspace_model import build_metaspace_model
+
+    return build_metaspace_model(tmp_path_factory.mktemp("metaspace"), llama_dir)

@@ -89,10 +89,14 @@ class Request:
         self.grammar: RequestGrammar | None = None
         """Structured outputs: the matcher of the request's constraint (set by the engine)."""
         self.stop_checker: StopChecker | None = None
-        """Stop strings: decodes the output as it grows and finds them (set by the engine)."""
+        """Stop strings: decodes the output as it grows and finds them (set by the engine).
+        It reads every committed token but a stop token (`accept_stop_token`)."""
         self.stop_str: str | None = None
         self.stop_token_id: int | None = None
         """What ended the request, for `CompletionOutput.stop_reason`."""
+        self.ended_by_stop_token = False
+        """Ended by EOS or a `stop_token_ids` entry (vLLM's `stop_terminated`): that token's
+        text is left out of the completion's unless `include_stop_str_in_output`."""
         self.bad_words_token_ids: list[list[int]] = []
         """`SamplingParams.bad_words` as token id sequences (the engine tokenizes them)."""
         self.is_dead_ended = False

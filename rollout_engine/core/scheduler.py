@@ -509,29 +509,39 @@ class Scheduler:
                                         top_logprobs[i] if top_logprobs else None)
             request.record_weight_version(self.weight_version)
             reason = self._stop_reason(request, token_id)
-            if request.grammar is not None:
-                if not request.grammar.accept(token_id):
-                    reason = "abort"  # never sampled under its mask: a bug, not a hang
-                elif request.grammar.is_complete:
-                    reason = "stop"
+            # A complete grammar allows only EOS: the request ends when it is sampled.
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                reason = "abort"  # never sampled under its mask: a bug, not a hang
             if reason is not None:
                 self._finish(request, reason)
                 return
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         """Why `token_id`, just appended, ends the request, if it does. Before `min_tokens`
-        tokens nothing but the length stops it (EOS and stop ids are masked there anyway)."""
+        tokens nothing but the length stops it (EOS and stop ids are masked there anyway).
+        A stop token ends it before stop strings are looked for (vLLM's order: its text is
+        not searched); the stop checker reads every other token (its text is the completion's).
+        """
         params = request.sampling_params
-        # The stop checker reads every token (its text is the completion's), first.
-        if request.stop_checker is not None and request.stop_checker.accept(token_id):
-            request.stop_str = request.stop_checker.stop_string
-            return "stop"
-        if request.num_output_tokens >= params.min_tokens:
+        checker = request.stop_checker
+        # A constrained request's stop token before min_tokens was let through by the sampler
+        # because its grammar allowed nothing else (vLLM's rule: a complete `choice`): it ends.
+        may_stop_on_token = (
+            request.num_output_tokens >= params.min_tokens or request.grammar is not None
+        )
+        if may_stop_on_token and (
+            token_id in params.stop_token_ids
+            or (not params.ignore_eos and token_id in self.eos_token_ids)
+        ):
             if token_id in params.stop_token_ids:
                 request.stop_token_id = token_id
-                return "stop"
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return "stop"
+            request.ended_by_stop_token = True
+            if checker is not None:
+                checker.accept_stop_token(token_id)
+            return "stop"
+        if checker is not None and checker.accept(token_id):
+            request.stop_str = checker.stop_string
+            return "stop"
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return "length"
         return None

@@ -114,13 +114,15 @@ def score_response(outputs: list[ScoreOutput]) -> pb.ScoreResponse:
 
 class GenerateStreamState:
     """What one Generate stream has sent so far. The engine hands it DELTA outputs (or one
-    FINAL_ONLY output); a sample's tokens are gathered here so that its final message carries
-    the whole completion, at a cost per step of what the step produced."""
+    FINAL_ONLY output); a sample's tokens and text pieces are gathered here so that its final
+    message carries the whole completion, at a cost per step of what the step produced."""
 
     def __init__(self, stream_deltas: bool) -> None:
         self.stream_deltas = stream_deltas
         self._sent: dict[int, CompletionOutput] = {}
         """Per sample: its tokens, logprobs and top logprobs streamed so far."""
+        self._texts: dict[int, list[str]] = {}
+        """Per sample: its text's pieces so far (deltas carry none on the wire)."""
         self._finished: set[int] = set()
         self._sent_prompt = False
         self._sent_prompt_logprobs = False
@@ -140,6 +142,8 @@ class GenerateStreamState:
                 self._finished.add(completion.index)
                 message.outputs.append(completion_to_proto(self._whole(completion)))
                 continue
+            if completion.text:
+                self._texts.setdefault(completion.index, []).append(completion.text)
             if self.stream_deltas and completion.token_ids:
                 delta = message.deltas.add(index=completion.index,
                                            token_ids=completion.token_ids,
@@ -162,6 +166,9 @@ class GenerateStreamState:
 
     def _whole(self, last: CompletionOutput) -> CompletionOutput:
         """The finished sample, whole: what was streamed, then its last tokens."""
+        pieces = self._texts.pop(last.index, None)
+        if pieces is not None:
+            last = dataclasses.replace(last, text="".join(pieces) + last.text)
         sent = self._sent.pop(last.index, None)
         if sent is None:
             return last

@@ -22,10 +22,11 @@ def other_model_dirs(tmp_path_factory) -> dict[int, Path]:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, llama_dir):
     """The shared server, with an auth token, and vllm serve's HTTP API on loopback (no API
-    key) over the same engine: tests using it must leave its weights and memory as they were."""
+    key; request chat templates trusted, `/tokenizer_info` served) over the same engine: tests
+    using it must leave its weights and memory as they were."""
     process = start_server(
         tmp_path_factory, llama_dir, "--max-inflight-requests", "300", "--auth-token", AUTH_TOKEN,
-        "--http-port", "0",
+        "--http-port", "0", "--trust-request-chat-template", "--enable-tokenizer-info-endpoint",
     )
     yield process
     assert process.stop() == 0, process.log()[-3000:]

@@ -1,7 +1,14 @@
 """What the HTTP end-to-end tests share: a chat template with tools for the tiny tokenizer (it
-has none of its own), a tool, and the gRPC twin of a greedy or seeded HTTP request."""
+has none of its own), a tool, the gRPC twin of a greedy or seeded HTTP request, and a probe
+timing `/health` while the server works."""
 
 from __future__ import annotations
+
+import threading
+import time
+from typing import Self
+
+import requests
 
 from trainer_bridge import SamplingParams
 
@@ -41,3 +48,40 @@ def grpc_params(**fields) -> SamplingParams:
     """The EngineClient twin of an HTTP request's sampling fields, EOS ignored (the tiny
     random model emits it anywhere)."""
     return SamplingParams(ignore_eos=True, **fields)
+
+
+class HealthProbe:
+    """Times `GET /health` on a connection of its own, from a thread of its own, for as long
+    as the `with` block runs: what a load balancer sees while the server works."""
+
+    def __init__(self, base_url: str, interval_s: float = 0.02) -> None:
+        self.url, self.interval_s = f"{base_url}/health", interval_s
+        self.latencies_s: list[float] = []
+        self.statuses: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        with requests.Session() as session:
+            while not self._stop.is_set():
+                start = time.monotonic()
+                self.statuses.add(session.get(self.url, timeout=60).status_code)
+                self.latencies_s.append(time.monotonic() - start)
+                self._stop.wait(self.interval_s)
+
+    def quantile_s(self, q: float) -> float:
+        ordered = sorted(self.latencies_s)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def summary(self) -> str:
+        return (f"/health: {len(self.latencies_s)} probes, p50 {self.quantile_s(0.5) * 1e3:.1f} "
+                f"ms, p99 {self.quantile_s(0.99) * 1e3:.1f} ms, max "
+                f"{max(self.latencies_s) * 1e3:.1f} ms")

@@ -157,3 +157,49 @@ def test_one_engine_behind_both_front_ends(server, client):
     assert requests.get(f"{url}/is_sleeping", timeout=10).json() == {"is_sleeping": False}
     after = requests.post(f"{url}/v1/completions", json=greedy, timeout=60).json()
     assert after["choices"][0]["text"] == before["choices"][0]["text"]
+
+
+def test_a_truncated_prompt_is_answered_as_the_engine_ran_it(oai, model_id, llama_dir):
+    prompt, keep = list(range(30, 50)), 6
+    kept = prompt[-keep:]
+    fields = {"model": model_id, "prompt": prompt, "max_tokens": 3, "temperature": 0.0,
+              "echo": True, "logprobs": 0,
+              "extra_body": {"truncate_prompt_tokens": keep, "ignore_eos": True,
+                             "return_tokens_as_token_ids": True}}
+    whole = oai.completions.create(**fields)
+    (choice,) = whole.choices
+    assert whole.usage.prompt_tokens == keep and whole.usage.completion_tokens == 3
+    tokens, logprobs = choice.logprobs.tokens, choice.logprobs.token_logprobs
+    assert tokens[:keep] == [f"token_id:{t}" for t in kept] and len(tokens) == keep + 3
+    assert logprobs[0] is None and all(lp is not None for lp in logprobs[1:])  # its own logprob
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    assert choice.text.startswith(tokenizer.decode(kept))
+    chunks = list(oai.completions.create(**fields, stream=True,
+                                         stream_options={"include_usage": True}))
+    streamed = [c for chunk in chunks for c in chunk.choices]
+    assert "".join(c.text for c in streamed) == choice.text
+    assert [t for c in streamed for t in c.logprobs.tokens] == tokens
+    assert [lp for c in streamed for lp in c.logprobs.token_logprobs] == logprobs
+    assert chunks[-1].usage.prompt_tokens == keep
+    with_ids = oai.completions.create(**{**fields, "extra_body": {
+        **fields["extra_body"], "return_token_ids": True}})
+    assert with_ids.choices[0].prompt_token_ids == kept
+    chat = oai.chat.completions.create(
+        model=model_id, messages=MESSAGES, max_tokens=2,
+        extra_body={"chat_template": CHAT_TEMPLATE, "truncate_prompt_tokens": keep,
+                    "return_token_ids": True, "ignore_eos": True})
+    assert chat.usage.prompt_tokens == keep and len(chat.prompt_token_ids) == keep
+
+
+def test_a_streamed_echo_of_no_tokens_is_the_prompt_alone(oai, model_id):
+    fields = {"model": model_id, "prompt": PROMPTS[0], "max_tokens": 0, "echo": True,
+              "logprobs": 0, "extra_body": {"return_tokens_as_token_ids": True}}
+    (whole,) = oai.completions.create(**fields).choices
+    chunks = list(oai.completions.create(**fields, stream=True,
+                                         stream_options={"include_usage": True}))
+    streamed = [c for chunk in chunks for c in chunk.choices]
+    assert whole.logprobs.tokens == [f"token_id:{t}" for t in PROMPTS[0]]
+    assert "".join(c.text for c in streamed) == whole.text
+    assert [t for c in streamed for t in c.logprobs.tokens] == whole.logprobs.tokens
+    assert chunks[-1].usage.completion_tokens == 0
+    assert chunks[-1].usage.prompt_tokens == len(PROMPTS[0])

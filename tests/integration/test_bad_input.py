@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 
@@ -75,6 +76,24 @@ def test_engine_keeps_serving_after_bad_input(llm):
     assert llm.generate([prompt], SamplingParams(**GREEDY))[0].outputs[0].token_ids == (
         expected.outputs[0].token_ids
     )
+
+
+def test_text_no_tokenizer_takes_is_refused_before_tokenizing(llm):
+    """A lone surrogate (JSON's "\\ud800") in a prompt or a bad word, and a text longer than
+    the model can take in any tokenization, are InvalidRequestErrors, not a tokenizer's
+    TypeError; the long one is refused without tokenizing it."""
+    with pytest.raises(InvalidRequestError, match="the prompt holds a lone surrogate"):
+        llm.generate(["hello \ud800"], SamplingParams(**GREEDY))
+    with pytest.raises(InvalidRequestError, match=r"bad_words\[1\] holds a lone surrogate"):
+        llm.generate([[5, 6]], SamplingParams(bad_words=["fine", "\udfff"], **GREEDY))
+    start = time.monotonic()
+    with pytest.raises(InvalidRequestError, match="maximum context length is 64 tokens"):
+        llm.generate(["the " * 2_000_000], SamplingParams(**GREEDY))  # 8 MB
+    assert time.monotonic() - start < 1.0  # tokenizing it takes seconds
+    truncated = SamplingParams(truncate_prompt_tokens=4, **GREEDY)
+    (output,) = llm.generate(["the " * 1000], truncated)  # a prompt to truncate may be long
+    assert len(output.prompt_token_ids) == 4
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_abort_ends_request_with_abort(llm):

@@ -34,13 +34,15 @@ def run(llm: LLM, kind: RequestOutputKind):
     return outputs, copied
 
 
-def assembled(outputs_of_prompt) -> list[list[int]]:
-    """DELTA outputs joined back into whole completions."""
-    token_ids: dict[int, list[int]] = {}
+def assembled(outputs_of_prompt, field: str = "token_ids") -> list:
+    """DELTA outputs joined back into whole completions (their tokens, or their text)."""
+    joined: dict[int, list] = {}
     for output in outputs_of_prompt:
         for completion in output.outputs:
-            token_ids.setdefault(completion.index, []).extend(completion.token_ids)
-    return [token_ids[j] for j in sorted(token_ids)]
+            joined.setdefault(completion.index, []).append(getattr(completion, field))
+    if field == "token_ids":
+        return [[t for piece in joined[j] for t in piece] for j in sorted(joined)]
+    return ["".join(joined[j]) for j in sorted(joined)]
 
 
 def test_every_kind_gives_the_same_completions(llm):
@@ -55,6 +57,9 @@ def test_every_kind_gives_the_same_completions(llm):
         assert only.finished and [c.token_ids for c in only.outputs] == expected
         last = delta[f"DELTA-{i}"][-1]
         assert last.finished and all(c.finish_reason == "length" for c in last.outputs)
+        # The same text too: DELTA's pieces add up to the others' whole text.
+        texts = [c.text for c in cumulative[f"CUMULATIVE-{i}"][-1].outputs]
+        assert assembled(delta[f"DELTA-{i}"], "text") == texts == [c.text for c in only.outputs]
 
 
 def test_a_steps_output_work_does_not_grow_with_the_tokens_generated(llm):

@@ -135,3 +135,13 @@ def test_score_request_and_response_round_trip():
     scores = [ScoreOutput([-0.5], [TopLogprobs([3], [-0.5], [4])], 2), ScoreOutput([-1.0, -2.0])]
     reply = score_response(scores)
     assert [from_message(o, ScoreOutput) for o in reply.outputs] == scores
+
+
+def test_the_end_of_a_stream_carries_the_text_of_every_delta():
+    state = GenerateStreamState(stream_deltas=True)
+    pieces = [CompletionOutput(0, [10], [-0.5], text=" the"),
+              CompletionOutput(0, [11], [-0.5], text=""),  # a character still split
+              CompletionOutput(0, [12], [-0.5], text=" é", finish_reason="length")]
+    messages = [state.response(RequestOutput("g", PROMPT, [p])) for p in pieces]
+    final = from_message(messages[-1].outputs[0], CompletionOutput)
+    assert final.text == " the é" and final.token_ids == [10, 11, 12]

@@ -377,6 +377,32 @@ def test_before_min_tokens_only_the_length_stops_a_request() -> None:
     assert request.finish_reason == "length" and request.output_token_ids[1] == EOS
 
 
+class AcceptingGrammar:
+    """A stand-in ready grammar that accepts every token (the sampler's mask is not run)."""
+
+    is_ready, error, is_terminated = True, None, False
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def accept(self, token_id: int) -> bool:
+        self.accepted.append(token_id)
+        return True
+
+
+def test_a_constrained_request_ends_at_its_eos_even_before_min_tokens() -> None:
+    """A complete grammar allows only EOS, and the sampler lets it through before min_tokens
+    (vLLM's rule): the EOS ends the request, and is its last output token."""
+    scheduler = make_scheduler(eos_token_ids=[EOS])
+    runner = FakeModelRunner(scheduler, token_fn=eos_at("r", 8 + 2))
+    request = make_request("r", num_prompt_tokens=8, max_tokens=10, min_tokens=6)
+    request.grammar = grammar = AcceptingGrammar()
+    scheduler.add_request(request)
+    run_until_done(scheduler, runner)
+    assert request.finish_reason == "stop" and request.output_token_ids[-1] == EOS
+    assert len(request.output_token_ids) == 3 and grammar.accepted == request.output_token_ids
+
+
 def test_prompt_logprobs_keep_the_prefix_cache_off_the_positions_asked_for() -> None:
     """A prompt whose logprobs are asked for computes every position that predicts one, even
     with its blocks cached; once they landed, a preempted request may hit the cache again."""

@@ -46,6 +46,8 @@ def build_app(serving: ServingContext) -> FastAPI:
     for module in (info, completions, chat, tokenize):
         app.include_router(module.router)
     app.include_router(control.weight_transfer_router)
+    if serving.config.enable_tokenizer_info_endpoint:
+        app.include_router(tokenize.tokenizer_info_router)
     if serving.control_endpoints_enabled:
         app.include_router(control.router)
     install_error_handlers(app)

@@ -22,7 +22,7 @@ from rollout_engine.protocol import (
     RequestOutputKind,
     SamplingParams,
 )
-from rollout_engine.server.http.chat_template import RenderedChat, render_chat
+from rollout_engine.server.http.chat_template import RenderedChat
 from rollout_engine.server.http.completions import usage
 from rollout_engine.server.http.context import ServingContext, serving
 from rollout_engine.server.http.errors import json_response
@@ -35,7 +35,7 @@ from rollout_engine.server.http.generation import (
 from rollout_engine.server.http.logprobs import TokenTexts, chat_logprobs, prompt_logprobs_json
 from rollout_engine.server.http.protocol import ChatCompletionRequest
 from rollout_engine.server.http.sampling import chat_params
-from rollout_engine.server.http.sse import EventStreamResponse, SampleText, event
+from rollout_engine.server.http.sse import EventStreamResponse, event
 
 router = APIRouter()
 ROLE = "assistant"
@@ -47,7 +47,7 @@ async def create_chat_completion(raw_request: Request) -> Response:
     request = await read_json(raw_request, ChatCompletionRequest, ctx.config.max_message_bytes)
     ctx.check_model(request.model)
     check_tool_choice(request)
-    prompt = render_chat(ctx.tokenizer, request)
+    prompt = await ctx.render_chat(request, fit_model=request.truncate_prompt_tokens is None)
     params = chat_params(request, len(prompt.token_ids), ctx.max_model_len)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
@@ -62,10 +62,14 @@ async def create_chat_completion(raw_request: Request) -> Response:
 
 def check_tool_choice(request: ChatCompletionRequest) -> None:
     """vLLM's default is "auto" when tools are given, which needs a tool-call parser; this
-    server has none, so only "none" is taken (TRL's VLLMClient sends it)."""
+    server has none, so only "none" is taken (TRL's VLLMClient sends it). A named tool that is
+    not among `tools` gets vLLM's own message."""
     choice = request.tool_choice
     if choice is None:
         choice = "auto" if request.tools else "none"
+    if isinstance(choice, dict) and not _names_a_given_tool(choice, request.tools or []):
+        raise InvalidRequestError("The tool specified in `tool_choice` does not match any of "
+                                  "the specified `tools`")
     if choice != "none":
         raise InvalidRequestError(
             f"tool_choice {choice!r} needs a tool-call parser, which this server does not "
@@ -73,10 +77,18 @@ def check_tool_choice(request: ChatCompletionRequest) -> None:
             "model's calls come back in the message text)")
 
 
+def _names_a_given_tool(choice: dict, tools: list) -> bool:
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    return any(isinstance(tool, dict) and isinstance(tool.get("function"), dict)
+               and tool["function"].get("name") == name for tool in tools)
+
+
 def chat_response(ctx: ServingContext, request: ChatCompletionRequest, request_id: str,
                   prompt: RenderedChat, output: RequestOutput) -> dict:
     texts = TokenTexts(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
     prefix = _echo_prefix(request)
+    prompt = as_run(ctx, prompt, output)
     choices = []
     for completion in output.outputs:
         choices.append({
@@ -105,6 +117,15 @@ def chat_response(ctx: ServingContext, request: ChatCompletionRequest, request_i
     return response
 
 
+def as_run(ctx: ServingContext, prompt: RenderedChat, output: RequestOutput) -> RenderedChat:
+    """The rendered prompt as the engine ran it, from its output: with
+    `truncate_prompt_tokens`, its last tokens and their text."""
+    if output.prompt_token_ids == prompt.token_ids:
+        return prompt
+    token_ids = list(output.prompt_token_ids)
+    return RenderedChat(ctx.tokenizer.decode(token_ids), token_ids)
+
+
 def _echo_prefix(request: ChatCompletionRequest) -> str:
     """vLLM's chat `echo`: the last message's content leads the reply when it is the
     assistant's."""
@@ -115,8 +136,9 @@ def _echo_prefix(request: ChatCompletionRequest) -> str:
 
 
 class ChatStream:
-    """The events of one streamed chat request: per choice a first chunk with the role, then
-    one per output that brought it tokens or finished it; a usage chunk last if asked for."""
+    """The events of one streamed chat request: per choice a first chunk with the role (once
+    the engine's first output tells the prompt it ran, as vLLM sends it), then one per output
+    that brought it tokens or finished it; a usage chunk last if asked for."""
 
     def __init__(self, ctx: ServingContext, request: ChatCompletionRequest, request_id: str,
                  prompt: RenderedChat, params: SamplingParams) -> None:
@@ -124,7 +146,7 @@ class ChatStream:
         self.header = {"id": request_id, "object": "chat.completion.chunk",
                        "created": int(time.time()), "model": ctx.model_name}
         self.texts = TokenTexts(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
-        self.samples: dict[int, SampleText] = {}  # made as samples stream: n is not admitted yet
+        self.num_tokens: dict[int, int] = {}  # per sample, as samples stream
         self.finished: set[int] = set()
         options = request.stream_options
         self.include_usage = bool(options and options.include_usage)
@@ -132,9 +154,12 @@ class ChatStream:
 
     async def events(self, run: EngineRun) -> AsyncIterator[str]:
         try:
-            for j in range(self.params.n):
-                yield event(self._first_chunk(j))
+            first = True
             async for _, output in run.outputs():
+                if first:
+                    self.prompt, first = as_run(self.ctx, self.prompt, output), False
+                    for j in range(self.params.n):
+                        yield event(self._first_chunk(j))
                 for completion in output.outputs:
                     chunk = self._chunk(completion)
                     if chunk is not None:
@@ -160,10 +185,8 @@ class ChatStream:
             return None
         if completion.finished:
             self.finished.add(j)
-        if j not in self.samples:
-            self.samples[j] = SampleText(self.ctx.tokenizer, self.prompt.token_ids, self.params)
-        text = self.samples[j].delta(completion)
-        choice = {"index": j, "delta": {"content": text},
+        self.num_tokens[j] = self.num_tokens.get(j, 0) + len(completion.token_ids)
+        choice = {"index": j, "delta": {"content": completion.text},
                   "logprobs": None if not self.request.logprobs else chat_logprobs(
                       completion.token_ids, completion.top_logprobs or [],
                       self.request.top_logprobs or 0, self.texts),
@@ -177,5 +200,4 @@ class ChatStream:
         return chunk
 
     def _usage(self) -> dict:
-        return usage(len(self.prompt.token_ids),
-                     sum(s.num_tokens for s in self.samples.values()))
+        return usage(len(self.prompt.token_ids), sum(self.num_tokens.values()))

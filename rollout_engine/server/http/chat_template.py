@@ -2,15 +2,24 @@
 (or the request's, rendered in transformers' sandboxed Jinja environment) with `tools`,
 `documents`, `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`, to
 text, then tokenized without special tokens unless `add_special_tokens`. The same ids as
-`tokenizer.apply_chat_template(..., tokenize=True)`."""
+`tokenizer.apply_chat_template(..., tokenize=True)`.
+
+As vLLM: `developer` messages become `system` ones for a template that does not know the role,
+and tools reach the template as `{"type": "function", "function": {"name", "description",
+"parameters"}}` and nothing else. Rendering is blocking work: the server runs it off its event
+loop (`ServingContext.render_chat`)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from rollout_engine.prompt_text import check_prompt_length, check_text
 from rollout_engine.protocol import InvalidRequestError
+
+if TYPE_CHECKING:
+    from rollout_engine.processor import Processor
 
 # Arguments the server passes itself: chat_template_kwargs may not override them.
 _RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
@@ -23,9 +32,11 @@ class RenderedChat:
     token_ids: list[int]
 
 
-def render_chat(tokenizer, request) -> RenderedChat:
+def render_chat(processor: Processor, request, fit_model: bool = True) -> RenderedChat:
     """The prompt of a chat request (ChatCompletionRequest or TokenizeChatRequest);
-    InvalidRequestError for messages, tools or a template that cannot render."""
+    InvalidRequestError for messages, tools or a template that cannot render, and with
+    `fit_model` for a prompt too long for the model in any tokenization."""
+    tokenizer = processor.tokenizer
     if tokenizer is None:
         raise InvalidRequestError("this model has no tokenizer to render chat messages with")
     if request.continue_final_message and request.add_generation_prompt:
@@ -44,9 +55,13 @@ def render_chat(tokenizer, request) -> RenderedChat:
     if request.continue_final_message and messages[-1].get("role") != "assistant":
         raise InvalidRequestError("continue_final_message needs the last message to be the "
                                   "assistant's")
+    tools = [_tool(tool, i) for i, tool in enumerate(request.tools)] if request.tools else None
     try:
+        if any(m["role"] == "developer" for m in messages) and not _knows_developer(
+                tokenizer.get_chat_template(request.chat_template, tools)):
+            messages = _consolidate_system(_developer_as_system(messages))
         text = tokenizer.apply_chat_template(
-            messages, tools=request.tools or None, documents=request.documents,
+            messages, tools=tools, documents=request.documents,
             chat_template=request.chat_template,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message, tokenize=False, **kwargs)
@@ -55,10 +70,59 @@ def render_chat(tokenizer, request) -> RenderedChat:
             f"cannot render the chat template: {type(exc).__name__}: {exc}") from None
     if not isinstance(text, str):
         raise InvalidRequestError("the chat template rendered no text")
+    what = "the chat prompt (messages rendered by the chat template)"
+    check_text(text, what)
+    if fit_model:
+        check_prompt_length(text, processor.max_prompt_chars, processor.max_model_len, what)
     token_ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
     if not token_ids:
         raise InvalidRequestError("the chat template rendered an empty prompt")
     return RenderedChat(text, token_ids)
+
+
+def _knows_developer(template: str) -> bool:
+    """vLLM's test: the template names the role."""
+    return '"developer"' in template or "'developer'" in template
+
+
+def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`developer` messages (OpenAI's newer clients send them) as `system` ones, as vLLM
+    renders them for templates without the role; a developer message's own tools go."""
+    converted = []
+    for message in messages:
+        if message["role"] == "developer":
+            message = {k: v for k, v in message.items() if k != "tools"}
+            message["role"] = "system"
+        converted.append(message)
+    return converted
+
+
+def _consolidate_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's: several system messages, or one not first, become one first message with their
+    non-empty contents joined by blank lines (templates often take only a first system)."""
+    systems = [i for i, m in enumerate(messages) if m["role"] == "system"]
+    if systems in ([], [0]):
+        return messages
+    contents = [messages[i].get("content") for i in systems]
+    merged = {"role": "system", "content": "\n\n".join(c for c in contents if c)}
+    return [merged, *(m for m in messages if m["role"] != "system")]
+
+
+def _tool(tool: Any, i: int) -> dict[str, Any]:
+    """A tool as vLLM hands it to the template: only the fields of OpenAI's function tool,
+    `description` and `parameters` as null when not given, `strict` when given."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or tool.get("type", "function") != "function":
+        raise InvalidRequestError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                                  "{\"name\": ...}}")
+    if not isinstance(function.get("name"), str):
+        raise InvalidRequestError(f"tools[{i}].function needs a string `name`")
+    kept = {"name": function["name"], "description": function.get("description"),
+            "parameters": function.get("parameters")}
+    for optional in ("strict", "defer_loading"):
+        if function.get(optional) is not None:
+            kept[optional] = function[optional]
+    return {"type": "function", "function": kept}
 
 
 def _message(message: dict[str, Any], i: int) -> dict[str, Any]:

@@ -18,7 +18,6 @@ from rollout_engine.protocol import (
     InvalidRequestError,
     RequestOutput,
     RequestOutputKind,
-    SamplingParams,
     TopLogprobs,
 )
 from rollout_engine.server.http.context import ServingContext, serving
@@ -36,7 +35,7 @@ from rollout_engine.server.http.logprobs import (
 )
 from rollout_engine.server.http.protocol import CompletionRequest
 from rollout_engine.server.http.sampling import completion_params
-from rollout_engine.server.http.sse import EventStreamResponse, SampleText, event
+from rollout_engine.server.http.sse import EventStreamResponse, event
 
 router = APIRouter()
 
@@ -53,28 +52,33 @@ async def create_completion(raw_request: Request) -> Response:
     ctx = serving(raw_request)
     request = await read_json(raw_request, CompletionRequest, ctx.config.max_message_bytes)
     ctx.check_model(request.model)
-    prompts = prompts_of(ctx, request)
+    prompts = await prompts_of(ctx, request)
     params = [completion_params(request, len(p.token_ids), ctx.max_model_len) for p in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
     run = EngineRun(ctx, request_id, [p.token_ids for p in prompts], params, kind)
     if request.stream:
-        events = CompletionStream(ctx, request, request_id, prompts, params).events(run)
+        events = CompletionStream(ctx, request, request_id, prompts).events(run)
         await run.start()  # admission and the engine's checks answer with a status
         return EventStreamResponse(events, run.close)
     outputs = await until_disconnected(raw_request, final_outputs(run, len(prompts)))
     return json_response(completion_response(ctx, request, request_id, prompts, outputs))
 
 
-def prompts_of(ctx: ServingContext, request: CompletionRequest) -> list[Prompt]:
-    """One prompt, or a list: text is tokenized here (as the engine would)."""
+async def prompts_of(ctx: ServingContext, request: CompletionRequest) -> list[Prompt]:
+    """One prompt, or a list: text is tokenized here (as the engine would), off the event
+    loop."""
     prompt = request.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]  # type: ignore[list-item]
     if not prompt:
         raise InvalidRequestError("prompt is empty: send a text, token ids, or a list of them")
-    return [Prompt(ctx.encode(p, request.add_special_tokens), p) if isinstance(p, str)
-            else Prompt(list(p), None) for p in prompt]
+    if not any(isinstance(p, str) for p in prompt):
+        return [Prompt(list(p), None) for p in prompt]  # type: ignore[arg-type]
+    fit_model = request.truncate_prompt_tokens is None  # a prompt to truncate may be long
+    return await ctx.off_loop(lambda: [
+        Prompt(ctx.encode(p, request.add_special_tokens, fit_model), p) if isinstance(p, str)
+        else Prompt(list(p), None) for p in prompt])
 
 
 # ------------------------------------------------------------------------------ one response
@@ -84,6 +88,7 @@ def completion_response(ctx: ServingContext, request: CompletionRequest, request
                         prompts: list[Prompt], outputs: list[RequestOutput]) -> dict:
     texts = TokenTexts(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
     choices: list[dict] = []
+    prompts = [as_run(p, output) for p, output in zip(prompts, outputs)]
     for prompt, output in zip(prompts, outputs):
         for completion in output.outputs:
             choice = _choice(ctx, request, prompt, completion, output.prompt_logprobs, texts)
@@ -92,7 +97,7 @@ def completion_response(ctx: ServingContext, request: CompletionRequest, request
     echo_only = request.echo and request.max_tokens == 0  # its one token is dropped
     num_generated = 0 if echo_only else sum(
         len(c.token_ids) for output in outputs for c in output.outputs)
-    num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    num_prompt_tokens = sum(len(p.token_ids) for p in prompts)  # as the engine ran them
     return {
         "id": request_id, "object": "text_completion", "created": int(time.time()),
         "model": ctx.model_name, "choices": choices,
@@ -133,6 +138,14 @@ def _echoed(ctx: ServingContext, request: CompletionRequest, prompt: Prompt,
             prompt_text + completion.text)
 
 
+def as_run(prompt: Prompt, output: RequestOutput) -> Prompt:
+    """The prompt as the engine ran it, from its output: with `truncate_prompt_tokens`, its
+    last tokens, whose text is theirs (echo), not the text sent."""
+    if output.prompt_token_ids == prompt.token_ids:
+        return prompt
+    return Prompt(list(output.prompt_token_ids), None)
+
+
 def _prompt_text(ctx: ServingContext, prompt: Prompt) -> str:
     if prompt.text is not None:
         return prompt.text
@@ -149,16 +162,19 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
 
 class CompletionStream:
     """The events of one streamed completion request: per sample, a chunk for each output
-    that brought it tokens or finished it; a usage chunk last if asked for."""
+    that brought it tokens or finished it; a usage chunk last if asked for. Prompts are
+    described as the engine ran them (`as_run`), once their first output came; usage counts
+    those prompts."""
 
     def __init__(self, ctx: ServingContext, request: CompletionRequest, request_id: str,
-                 prompts: list[Prompt], params: list[SamplingParams]) -> None:
-        self.ctx, self.request, self.prompts, self.params = ctx, request, prompts, params
+                 prompts: list[Prompt]) -> None:
+        self.ctx, self.request, self.prompts = ctx, request, prompts
         self.header = {"id": request_id, "object": "text_completion",
                        "created": int(time.time()), "model": ctx.model_name}
         self.texts = TokenTexts(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
-        self.samples: dict[tuple[int, int], SampleText] = {}
-        self.num_chars: dict[tuple[int, int], int] = {}
+        self.ran: dict[int, Prompt] = {}
+        self.num_tokens: dict[tuple[int, int], int] = {}
+        self.text_offsets: dict[tuple[int, int], int] = {}
         self.finished: set[tuple[int, int]] = set()
         self.prompt_logprobs: dict[int, list[TopLogprobs | None]] = {}
         options = request.stream_options
@@ -168,6 +184,8 @@ class CompletionStream:
     async def events(self, run: EngineRun) -> AsyncIterator[str]:
         try:
             async for i, output in run.outputs():
+                if i not in self.ran:
+                    self.ran[i] = as_run(self.prompts[i], output)
                 if output.prompt_logprobs is not None:
                     self.prompt_logprobs[i] = output.prompt_logprobs
                 for completion in output.outputs:
@@ -185,36 +203,47 @@ class CompletionStream:
             return None
         if completion.finished:
             self.finished.add(key)
-        first = key not in self.samples
-        if first:
-            self.samples[key] = SampleText(self.ctx.tokenizer, self.prompts[i].token_ids,
-                                           self.params[i])
-        text = self.samples[key].delta(completion)
-        token_ids = completion.token_ids
+        first = key not in self.num_tokens
+        request, prompt = self.request, self.ran[i]
+        echo_only = request.echo and request.max_tokens == 0  # its one token is dropped
+        self.num_tokens[key] = self.num_tokens.get(key, 0) + (
+            0 if echo_only else len(completion.token_ids))
+        text, token_ids = completion.text, completion.token_ids
         positions = list(completion.top_logprobs or [None] * len(token_ids))
-        request = self.request
         if request.echo and first:
-            prompt = self.prompts[i]
-            text = ("" if request.return_token_ids else _prompt_text(self.ctx, prompt)) + text
-            token_ids = prompt.token_ids + token_ids
-            positions = list(self.prompt_logprobs.get(i) or [None] * len(prompt.token_ids)
-                             ) + positions
-        offset = self.num_chars.get(key, 0)
-        self.num_chars[key] = offset + len(text)
+            prompt_text = "" if request.return_token_ids else _prompt_text(self.ctx, prompt)
+            prompt_positions = list(self.prompt_logprobs.get(i)
+                                    or [None] * len(prompt.token_ids))
+            if echo_only:
+                text, token_ids, positions = prompt_text, prompt.token_ids, prompt_positions
+            else:
+                text, token_ids = prompt_text + text, prompt.token_ids + token_ids
+                positions = prompt_positions + positions
         choice = {"index": i * request.n + completion.index, "text": text,
-                  "logprobs": None if request.logprobs is None else completion_logprobs(
-                      token_ids, positions, request.logprobs, self.texts, offset),
+                  "logprobs": self._logprobs(key, token_ids, positions),
                   "finish_reason": completion.finish_reason,
                   "stop_reason": completion.stop_reason}
         if request.return_token_ids:
             choice["token_ids"] = completion.token_ids
             if first:
-                choice["prompt_token_ids"] = self.prompts[i].token_ids
+                choice["prompt_token_ids"] = prompt.token_ids
         chunk = {**self.header, "choices": [choice]}
         if self.continuous_usage:
             chunk["usage"] = self._usage()
         return chunk
 
+    def _logprobs(self, key: tuple[int, int], token_ids: list[int], positions: list
+                  ) -> dict | None:
+        """The chunk's logprobs; text offsets go on from the tokens reported so far (not the
+        text sent: text a stop string could cut is sent late), as in the unstreamed answer."""
+        if self.request.logprobs is None:
+            return None
+        logprobs = completion_logprobs(token_ids, positions, self.request.logprobs, self.texts,
+                                       self.text_offsets.get(key, 0))
+        if logprobs["tokens"]:
+            self.text_offsets[key] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        return logprobs
+
     def _usage(self) -> dict:
-        return usage(sum(len(p.token_ids) for p in self.prompts),
-                     sum(s.num_tokens for s in self.samples.values()))
+        return usage(sum(len(p.token_ids) for p in self.ran.values()),
+                     sum(self.num_tokens.values()))

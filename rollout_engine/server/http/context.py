@@ -1,16 +1,20 @@
 """What every HTTP route works with: the engine loop and admission it shares with gRPC, the
-served model's names and limits, and a tokenizer of its own."""
+served model's names and limits, and a tokenizer of its own, used off the event loop."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rollout_engine.config import is_loopback_host
 from rollout_engine.processor import Processor
 from rollout_engine.protocol import InvalidRequestError
+from rollout_engine.server.http.chat_template import RenderedChat, render_chat
 from rollout_engine.server.http.errors import UnknownModelError
+from rollout_engine.server.http.metrics import VllmMetrics
+from rollout_engine.server.http.off_loop import OffLoopPool
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -18,6 +22,16 @@ if TYPE_CHECKING:
     from rollout_engine.config import ServerConfig
     from rollout_engine.server.admission import Admission
     from rollout_engine.server.engine_loop import EngineLoop
+    from rollout_engine.server.http.protocol import ChatCompletionRequest, TokenizeChatRequest
+
+T = TypeVar("T")
+MAX_CHAT_TEMPLATE_CHARS = 64 * 1024
+"""The longest chat template a request may send (the templates of released models are a few
+KiB; compiling one is work on the server)."""
+UNTRUSTED_TEMPLATE_MESSAGE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template.")
+"""vLLM's words."""
 
 
 @dataclass
@@ -30,8 +44,12 @@ class ServingContext:
     config: ServerConfig
     served_model_names: list[str]
     processor: Processor
-    """A tokenizer of the front-end's own: prompts are tokenized here, on the event loop,
-    never on the engine thread, and never through the engine's tokenizer object."""
+    """A tokenizer of the front-end's own: prompts are tokenized here, off the event loop
+    (`off_loop`), never on the engine thread, and never through the engine's tokenizer object."""
+    metrics: VllmMetrics
+    """vLLM's `vllm:*` metric families of this server (`/metrics`)."""
+    pool: OffLoopPool = field(default_factory=OffLoopPool)
+    """Where templates are rendered and text is tokenized and detokenized."""
     _ids: itertools.count = field(default_factory=itertools.count)
 
     @classmethod
@@ -39,8 +57,9 @@ class ServingContext:
               model_name: str) -> ServingContext:
         engine = engine_loop.engine
         names = list(config.served_model_names) or [model_name or engine.config.model_config.model]
-        processor = Processor(engine.config.model_config.model, engine.hf_config)
-        return cls(engine_loop, admission, config, names, processor)
+        processor = Processor(engine.config.model_config.model, engine.hf_config,
+                              engine.limits.max_model_len)
+        return cls(engine_loop, admission, config, names, processor, VllmMetrics(names[0]))
 
     @property
     def engine(self):
@@ -72,16 +91,33 @@ class ServingContext:
             raise UnknownModelError(f"The model `{model}` does not exist; this server serves "
                                     f"{self.served_model_names}")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """The token ids of a text prompt, as the engine would encode it."""
-        if add_special_tokens:
-            return self.processor.encode(text)[1]
-        if self.tokenizer is None:
-            raise InvalidRequestError("this model has no tokenizer; send token ids")
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the front-end's tokenizer threads (see off_loop.py)."""
+        return await self.pool.run(fn, *args)
+
+    def encode(self, text: str, add_special_tokens: bool = True, fit_model: bool = True
+               ) -> list[int]:
+        """The token ids of a text prompt, as the engine would encode it; with `fit_model`, a
+        text too long for the model in any tokenization is refused untokenized (a prompt to be
+        truncated may be longer). Blocking: call it through `off_loop`."""
+        token_ids = self.processor.encode_text(text, add_special_tokens, fit_model)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty; send at least one token")
         return token_ids
+
+    async def render_chat(self, request: ChatCompletionRequest | TokenizeChatRequest,
+                          fit_model: bool = True) -> RenderedChat:
+        """A chat request's prompt, rendered and tokenized off the event loop; its own
+        `chat_template` only if the server trusts request templates."""
+        template = request.chat_template
+        if template is not None:
+            if not self.config.trust_request_chat_template:
+                raise InvalidRequestError(UNTRUSTED_TEMPLATE_MESSAGE)
+            if len(template) > MAX_CHAT_TEMPLATE_CHARS:
+                raise InvalidRequestError(
+                    f"chat_template has {len(template)} characters; this server renders "
+                    f"request templates of at most {MAX_CHAT_TEMPLATE_CHARS}")
+        return await self.off_loop(render_chat, self.processor, request, fit_model)
 
 
 def serving(request: Request) -> ServingContext:

@@ -101,8 +101,8 @@ def http_status_for(exc: BaseException) -> int:
         if exc.status_code == "CANCELLED":
             return CLIENT_CLOSED_REQUEST
         return _STATUS_BY_GRPC_CODE.get(exc.status_code, HTTPStatus.INTERNAL_SERVER_ERROR)
-    if isinstance(exc, (ValidationError, RequestValidationError)):
-        return HTTPStatus.BAD_REQUEST
+    if isinstance(exc, (ValidationError, RequestValidationError, RecursionError)):
+        return HTTPStatus.BAD_REQUEST  # a RecursionError: input nested deeper than Python goes
     return HTTPStatus.INTERNAL_SERVER_ERROR
 
 
@@ -120,6 +120,8 @@ def error_response(exc: BaseException) -> Response:
         logger.exception("unexpected error in an HTTP request", exc_info=exc)
     message = validation_message(exc) if isinstance(
         exc, (ValidationError, RequestValidationError)) else (str(exc) or type(exc).__name__)
+    if isinstance(exc, RecursionError):
+        message = f"the request is nested too deeply to process ({message})"
     headers = {ERROR_TYPE_KEY: type(exc).__name__} if isinstance(exc, EngineError) else None
     return json_response(error_body(message, status), status, headers)
 
@@ -129,11 +131,7 @@ def validation_message(exc: ValidationError | RequestValidationError) -> str:
     lines = []
     for error in exc.errors():
         where = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
-        if error.get("type") == "extra_forbidden":
-            lines.append(f"unknown field `{where}`: this server takes the fields of vllm "
-                         "serve's request")
-        else:
-            lines.append(f"{where or 'body'}: {error.get('msg')}")
+        lines.append(f"{where or 'body'}: {error.get('msg')}")
     return "invalid request: " + "; ".join(lines)
 
 
@@ -150,7 +148,11 @@ def json_response(content: object, status: int = 200, headers: dict[str, str] | 
     """Compact JSON. Logprobs are clamped to -9999.0 before they get here (as vLLM does), so
     no infinity reaches the wire."""
     body = json.dumps(content, ensure_ascii=False, separators=(",", ":"))
-    return Response(body, status_code=status, headers=headers, media_type="application/json")
+    try:
+        data = body.encode()
+    except UnicodeEncodeError:  # a lone surrogate of the request, echoed: JSON's \u escape
+        data = json.dumps(content, separators=(",", ":")).encode()
+    return Response(data, status_code=status, headers=headers, media_type="application/json")
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -23,6 +24,7 @@ from rollout_engine.protocol import (
 )
 from rollout_engine.server.engine_loop import OutputSink
 from rollout_engine.server.http.errors import RequestTooLargeError
+from rollout_engine.server.http.protocol import unknown_fields
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -30,8 +32,10 @@ if TYPE_CHECKING:
     from rollout_engine.protocol import SamplingParams
     from rollout_engine.server.http.context import ServingContext
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
+_TOO_DEEP = "the request body is nested too deeply (arrays and objects within each other)"
 
 
 class EngineRun:
@@ -116,13 +120,29 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def read_json(request: Request, model: type[M], max_bytes: int) -> M:
-    """The body parsed into `model` (ValidationError for wrong or unknown fields)."""
-    return model.model_validate(await read_json_object(request, max_bytes))
+    """The body parsed into `model` (ValidationError for wrong fields; unknown ones are
+    ignored, see `parse_body`)."""
+    return parse_body(model, await read_json_object(request, max_bytes))
+
+
+def parse_body(model: type[M], data: dict) -> M:
+    """`data` validated as `model`; the fields it ignores are logged, once for the request
+    (vLLM's warning)."""
+    try:
+        body = model.model_validate(data)
+    except RecursionError:
+        raise InvalidRequestError(_TOO_DEEP) from None
+    ignored = unknown_fields(body)
+    if ignored:
+        logger.warning("The following fields were present in the request but ignored: %s",
+                       set(ignored))
+    return body
 
 
 async def read_json_object(request: Request, max_bytes: int) -> dict:
     """The body as a JSON object; RequestTooLargeError past `max_bytes` (read no further),
-    InvalidRequestError for anything that is not a JSON object."""
+    InvalidRequestError for anything that is not a JSON object, or nested too deeply to parse.
+    `NaN` and `Infinity` parse, as in vLLM; the request's number fields refuse them."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise RequestTooLargeError(
@@ -139,6 +159,8 @@ async def read_json_object(request: Request, max_bytes: int) -> dict:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequestError(_TOO_DEEP) from None
     if not isinstance(data, dict):
         raise InvalidRequestError(
             f"the request body must be a JSON object, got {type(data).__name__}")

@@ -1,5 +1,6 @@
 """What anyone may ask the server: `/health`, `/version`, `/v1/models` (with `max_model_len`)
-and `/metrics` (Prometheus text: requests, tokens, KV blocks, sleep and pause state)."""
+and `/metrics` (Prometheus text: requests, tokens, KV blocks, sleep and pause state, and
+vLLM's `vllm:*` families, see metrics.py)."""
 
 from __future__ import annotations
 
@@ -51,14 +52,16 @@ async def list_models(request: Request) -> Response:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     ctx = serving(request)
-    info = await ctx.engine_loop.call(ctx.engine.info)
-    is_paused = await ctx.engine_loop.call(ctx.engine.is_paused)
+    engine = ctx.engine
+    info, request_stats = await ctx.engine_loop.call(
+        lambda: (engine.info(), engine.request_stats()))
+    is_paused = await ctx.engine_loop.is_paused()  # draining to pause reads as paused
     info = dataclasses.replace(
         info, **ctx.engine_loop.counters(),
         num_inflight_requests=ctx.admission.num_inflight_requests,
         max_inflight_requests=ctx.admission.max_inflight_requests)
-    return Response(prometheus_text(ctx, info, is_paused),
-                    media_type="text/plain; version=0.0.4; charset=utf-8")
+    text = prometheus_text(ctx, info, is_paused) + ctx.metrics.render(info, request_stats)
+    return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def prometheus_text(ctx: ServingContext, info: EngineInfo, is_paused: bool) -> str:

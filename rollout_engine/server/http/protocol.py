@@ -3,8 +3,10 @@
 
 Every field vLLM takes is declared. Those this engine cannot honour are refused when set to
 anything but their default (`REFUSED_FIELDS`, with the reason the error gives); a few are
-accepted and have no effect here (`IGNORED_FIELDS`). A field vLLM does not know is an error
-(vLLM logs and drops it): a typo must not silently change what is sampled.
+accepted and have no effect here (`IGNORED_FIELDS`). A field vLLM does not know is accepted and
+ignored, as vLLM does: OpenAI's clients send fields of their own (`metadata`, `store`,
+`service_tier`, ...) that no server of this API honours. What was ignored is logged once per
+request (`unknown_fields`), so a misspelt sampling field (`temprature`) is seen in the log.
 
 Responses are built as plain dicts in `responses.py`, in the shapes vLLM's response models
 serialise to.
@@ -47,9 +49,10 @@ IGNORED_FIELDS: tuple[str, ...] = (
 
 
 class VllmRequest(BaseModel):
-    """A request body: unknown fields are errors; refused fields must keep their defaults."""
+    """A request body: unknown fields are kept aside (`model_extra`) and ignored; refused
+    fields must keep their defaults."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     refused: ClassVar[dict[str, str]] = REFUSED_FIELDS
 
     @model_validator(mode="after")
@@ -85,7 +88,7 @@ class StructuredOutputsRequest(VllmRequest):
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
 
 
 class JsonSchemaFormat(VllmRequest):
@@ -94,7 +97,7 @@ class JsonSchemaFormat(VllmRequest):
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
 
 
 class ResponseFormat(VllmRequest):
@@ -242,3 +245,14 @@ def _check_stream_options(request: SamplingFields) -> None:
         raise ValueError("stream_options can only be set when stream is true")
     if request.stream and request.prompt_logprobs is not None:
         raise ValueError("prompt_logprobs are not available when stream is true")
+
+
+def unknown_fields(request: BaseModel, prefix: str = "") -> list[str]:
+    """The fields of a parsed body, nested ones included (`stream_options.x`), that no model
+    declares: accepted and ignored."""
+    names = [prefix + name for name in request.model_extra or {}]
+    for name in request.model_fields_set:
+        value = getattr(request, name, None)
+        if isinstance(value, BaseModel):
+            names += unknown_fields(value, f"{prefix}{name}.")
+    return sorted(names)

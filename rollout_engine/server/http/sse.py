@@ -1,5 +1,6 @@
-"""Server-sent events as OpenAI streams them (`data: {json}` ... `data: [DONE]`), and the text
-of a streamed sample piece by piece.
+"""Server-sent events as OpenAI streams them (`data: {json}` ... `data: [DONE]`). A streamed
+sample's text comes from the engine piece by piece (DELTA outputs), decoded as every other
+path's is.
 
 A stream listens for its client's disconnect the whole time, not only when it next writes: a
 client that hangs up while the engine is busy gets its prompts aborted at once.
@@ -14,13 +15,10 @@ from typing import TYPE_CHECKING
 
 from starlette.responses import StreamingResponse
 
-from rollout_engine.detokenizer import IncrementalDetokenizer
 from rollout_engine.server.http.errors import stream_error_event
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
-
-    from rollout_engine.protocol import CompletionOutput, SamplingParams
 
 DONE = "data: [DONE]\n\n"
 
@@ -74,35 +72,3 @@ class EventStreamResponse(StreamingResponse):
             await self.stream_response(send)
         except OSError:  # the connection broke while writing: same as a disconnect
             pass
-
-
-class SampleText:
-    """The text one streamed sample has sent. Pieces come from an incremental detokenizer
-    primed with the prompt; with stop strings, the last characters a stop string could still
-    cut are held back; the sample's final text (cut by the engine) settles the rest."""
-
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._detokenizer = None
-        if tokenizer is not None and params.detokenize:
-            self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids,
-                                                       params.skip_special_tokens)
-        self._num_held_chars = max((len(s) for s in params.stop), default=1) - 1
-        self.sent = ""
-        self.num_tokens = 0
-
-    def delta(self, completion: CompletionOutput) -> str:
-        """The new text of this output of the sample."""
-        self.num_tokens += len(completion.token_ids)
-        if self._detokenizer is None:
-            return ""
-        for token_id in completion.token_ids:
-            self._detokenizer.step(token_id)
-        if completion.finished:
-            text = completion.text if completion.text.startswith(self.sent) else (
-                self._detokenizer.text)
-        else:
-            text = self._detokenizer.text
-            text = text[: max(len(self.sent), len(text) - self._num_held_chars)]
-        piece = text[len(self.sent):]
-        self.sent += piece
-        return piece
