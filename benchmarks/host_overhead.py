@@ -32,7 +32,7 @@ from kernels import AttentionMetadata
 from rollout_engine.core.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from rollout_engine.protocol import SamplingParams
 from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
-from rollout_engine.worker.sampler import Sampler
+from rollout_engine.worker.sampling.sampler import Sampler
 from rollout_engine.worker.staging import HostStaging
 from rollout_engine.worker.step_inputs import build_step_inputs, sampling_row
 

@@ -156,7 +156,7 @@ def transfer_bandwidth(model_dir: str, long_len: int, seed: int) -> dict[str, fl
     """GB/s of each step of one KV transfer in process (shm), and of a memcpy of its bytes."""
     from rollout_engine import LLM
     from rollout_engine.core.scheduler_output import KVLoad
-    from rollout_engine.worker.kv_transports import fetch_shm, write_shm
+    from rollout_engine.worker.kv_transfer.kv_transports import fetch_shm, write_shm
 
     rng = random.Random(seed)
     prompt = [rng.randrange(3, 500) for _ in range(long_len)]

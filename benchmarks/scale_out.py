@@ -30,7 +30,7 @@ from workload import add_grpo_workload_args, add_model_args, make_prompts
 
 from rollout_engine.tiny_model import build_tiny_model
 from trainer_bridge import EngineClient, SamplingParams
-from trainer_bridge.pool import EnginePool
+from trainer_bridge.engine_pool import EnginePool
 from trainer_bridge.server_process import EngineServer
 
 MiB = 1024**2

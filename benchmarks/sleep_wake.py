@@ -61,7 +61,7 @@ from workload import kv_bytes_per_token, make_prompts
 from rollout_engine import LLM, SamplingParams
 from rollout_engine.protocol import EngineError
 from rollout_engine.tiny_model import build_tiny_model
-from rollout_engine.worker.models.loader import iterate_checkpoint
+from rollout_engine.worker.weights.loader import iterate_checkpoint
 from trainer_bridge import EngineClient
 from trainer_bridge.server_process import EngineServer
 

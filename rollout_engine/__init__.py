@@ -32,8 +32,8 @@ from rollout_engine.protocol import (
 )
 
 if TYPE_CHECKING:
+    from rollout_engine.engine.llm_engine import LLMEngine
     from rollout_engine.llm import LLM
-    from rollout_engine.llm_engine import LLMEngine
 
 __all__ = [
     "LLM",
@@ -69,7 +69,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "LLMEngine":
-        from rollout_engine.llm_engine import LLMEngine
+        from rollout_engine.engine.llm_engine import LLMEngine
 
         return LLMEngine
     raise AttributeError(f"module 'rollout_engine' has no attribute {name!r}")

@@ -318,7 +318,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from rollout_engine.config import EngineConfig, ServerConfig
-    from rollout_engine.server.app import run_server
+    from rollout_engine.server.serve import run_server
 
     options = {k: getattr(args, k) for k in _SERVE_ENGINE_OPTIONS if getattr(args, k) is not None}
     if args.no_prefix_caching:
@@ -363,7 +363,7 @@ def _build_engine_off_this_thread(engine_config):
 
     import torch
 
-    from rollout_engine.llm_engine import LLMEngine
+    from rollout_engine.engine.llm_engine import LLMEngine
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-build") as builder:
         engine = builder.submit(LLMEngine, engine_config).result()

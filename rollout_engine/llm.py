@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from rollout_engine.config import EngineConfig
-from rollout_engine.llm_engine import LLMEngine
+from rollout_engine.engine.llm_engine import LLMEngine
+from rollout_engine.engine.scoring import check_score_request, score_output, score_params
 from rollout_engine.protocol import (
     EngineBusyError,
     InvalidRequestError,
@@ -18,12 +19,11 @@ from rollout_engine.protocol import (
     SamplingParams,
     ScoreOutput,
 )
-from rollout_engine.scoring import check_score_request, score_output, score_params
 
 if TYPE_CHECKING:
     from memory import MemoryEventLog
     from rollout_engine.protocol import EngineInfo, MemoryState, SleepMode
-    from rollout_engine.worker.weight_update import (
+    from rollout_engine.worker.weights.weight_update import (
         ManifestEntry,
         NamedTensors,
         WeightUpdateSession,

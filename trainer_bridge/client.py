@@ -34,7 +34,7 @@ from rollout_engine.protocol import (
     TopLogprobs,
     error_from_status,
 )
-from rollout_engine.wire_codec import from_message, to_message
+from rollout_engine.protocol.wire_codec import from_message, to_message
 from trainer_bridge import transports
 
 T = TypeVar("T")

@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any, Literal, Self
 
-from trainer_bridge.pool import EnginePool
+from trainer_bridge.engine_pool import EnginePool
 from trainer_bridge.server_process import EngineServer
 
 logger = logging.getLogger(__name__)

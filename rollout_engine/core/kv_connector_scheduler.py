@@ -12,7 +12,7 @@ thread writes them, and only for a request that still waits).
 Prefill side: a request for a remote decode (`do_remote_decode`) keeps its blocks when it
 finishes, until the engine has saved their KV.
 
-The worker's half (save, fetch, write) is `rollout_engine.worker.kv_transfer.KVTransfer`.
+The worker's half (save, fetch, write) is `rollout_engine.worker.kv_transfer.kv_connector_worker.KVTransfer`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from rollout_engine.protocol import (
 
 if TYPE_CHECKING:
     from rollout_engine.core.structured_output import RequestGrammar
-    from rollout_engine.detokenizer import StopChecker
+    from rollout_engine.engine.detokenizer import StopChecker
 
 
 class RequestStatus(enum.Enum):

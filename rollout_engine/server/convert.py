@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 
 from protos import rollout_pb2 as pb
+from rollout_engine.engine.scoring import check_score_request
 from rollout_engine.protocol import (
     CompletionOutput,
     EngineInfo,
@@ -18,8 +19,7 @@ from rollout_engine.protocol import (
     ScoreOutput,
     TopLogprobs,
 )
-from rollout_engine.scoring import check_score_request
-from rollout_engine.wire_codec import from_message, to_message
+from rollout_engine.protocol.wire_codec import from_message, to_message
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)

@@ -29,7 +29,7 @@ from rollout_engine.protocol import (
 )
 
 if TYPE_CHECKING:
-    from rollout_engine.llm_engine import LLMEngine
+    from rollout_engine.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from protos import rollout_pb2 as pb
-from rollout_engine.worker.kv_transfer import KVStore
+from rollout_engine.worker.kv_transfer.kv_connector_worker import KVStore
 
 CHUNK_BYTES = 4 * 1024**2
 """Bytes of KV per PullKV message."""

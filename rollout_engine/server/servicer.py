@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
+from rollout_engine.engine.scoring import score_output, score_params
 from rollout_engine.protocol import (
     EngineSleepingError,
     InvalidRequestError,
@@ -19,13 +20,12 @@ from rollout_engine.protocol import (
     SleepLevel,
     check_sleep_mode,
 )
-from rollout_engine.scoring import score_output, score_params
 from rollout_engine.server import convert
 from rollout_engine.server.admission import Admission
 from rollout_engine.server.engine_loop import EngineLoop, OutputSink
 from rollout_engine.server.pull_kv import pull_kv_responses
 from rollout_engine.server.status import streaming, unary
-from rollout_engine.server.weights import WeightUpdateReceiver
+from rollout_engine.server.weight_receiver import WeightUpdateReceiver
 
 if TYPE_CHECKING:
     from rollout_engine.config import ServerConfig

@@ -17,8 +17,8 @@ from rollout_engine.worker.kv_cache_spec import PagedKVCache
 from rollout_engine.worker.models.decoder import DecoderForCausalLM
 from rollout_engine.worker.models.packed_linear import PackedModuleLinears, PackedWeights
 from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
-from rollout_engine.worker.prompt_logprobs import compute_prompt_logprobs
-from rollout_engine.worker.sampler import Sampler
+from rollout_engine.worker.sampling.prompt_logprobs import compute_prompt_logprobs
+from rollout_engine.worker.sampling.sampler import Sampler
 from rollout_engine.worker.staging import HostStaging
 from rollout_engine.worker.step_inputs import StepInputs, build_step_inputs
 

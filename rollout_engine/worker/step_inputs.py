@@ -17,11 +17,16 @@ import numpy as np
 import torch
 
 from kernels import AttentionMetadata
-from rollout_engine.worker.logits_processing import needs_history
 from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
-from rollout_engine.worker.prompt_logprobs import PromptLogprobsJob, prompt_logprobs_jobs
 from rollout_engine.worker.ragged import index_within_runs
-from rollout_engine.worker.sampler import Sampler, SamplingPlan, SamplingRow, request_stream_seed
+from rollout_engine.worker.sampling.logits_processing import needs_history
+from rollout_engine.worker.sampling.prompt_logprobs import PromptLogprobsJob, prompt_logprobs_jobs
+from rollout_engine.worker.sampling.sampler import (
+    Sampler,
+    SamplingPlan,
+    SamplingRow,
+    request_stream_seed,
+)
 from rollout_engine.worker.staging import HostStaging
 
 _SAMPLING_PREFIX = "sampling."

@@ -22,7 +22,15 @@ from rollout_engine.worker.kv_cache_spec import (
 )
 from rollout_engine.worker.model_runner import ModelRunner, PreparedStep
 from rollout_engine.worker.models.decoder import DecoderForCausalLM
-from rollout_engine.worker.models.loader import (
+from rollout_engine.worker.models.packed_linear import (
+    PackedModuleLinears,
+    PackedWeights,
+    can_pack,
+)
+from rollout_engine.worker.models.tp_sharding import check_tensor_parallel
+from rollout_engine.worker.models.transformers_backend import TransformersForCausalLM
+from rollout_engine.worker.tp.tp_group import TPGroup
+from rollout_engine.worker.weights.loader import (
     ResolvedModelImpl,
     build_model,
     iterate_checkpoint_slices,
@@ -32,15 +40,7 @@ from rollout_engine.worker.models.loader import (
     resolve_dtype,
     resolve_model_impl,
 )
-from rollout_engine.worker.models.packed_linear import (
-    PackedModuleLinears,
-    PackedWeights,
-    can_pack,
-)
-from rollout_engine.worker.models.tp_sharding import check_tensor_parallel
-from rollout_engine.worker.models.transformers_backend import TransformersForCausalLM
-from rollout_engine.worker.tp_group import TPGroup
-from rollout_engine.worker.weight_update import WeightUpdater
+from rollout_engine.worker.weights.weight_update import WeightUpdater
 
 
 class Worker:

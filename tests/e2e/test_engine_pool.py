@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-from rollout_engine.worker.models.loader import iterate_checkpoint
+from rollout_engine.worker.weights.loader import iterate_checkpoint
 from tests.e2e.server_process import ENGINE_OPTIONS
 from trainer_bridge import DeadlineExceededError, EngineClient, SamplingParams
-from trainer_bridge.pool import EnginePool
+from trainer_bridge.engine_pool import EnginePool
 from trainer_bridge.server_process import EngineServer
 
 _rng = random.Random(11)

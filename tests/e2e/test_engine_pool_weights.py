@@ -15,11 +15,11 @@ import threading
 import pytest
 
 from rollout_engine.protocol import InvalidRequestError
-from rollout_engine.worker.models.loader import iterate_checkpoint
+from rollout_engine.worker.weights.loader import iterate_checkpoint
 from tests.e2e.server_process import ENGINE_OPTIONS, wait_for
 from tests.e2e.tcp_proxy import TCPProxy
 from trainer_bridge import EngineClient, SamplingParams
-from trainer_bridge.pool import EnginePool
+from trainer_bridge.engine_pool import EnginePool
 from trainer_bridge.server_process import EngineServer
 
 _rng = random.Random(25)

@@ -25,7 +25,7 @@ from trainer_bridge import (
     SamplingParams,
     TopLogprobs,
 )
-from trainer_bridge.pool import EnginePool
+from trainer_bridge.engine_pool import EnginePool
 from trainer_bridge.server_process import EngineServer
 from trainer_bridge.trl import token_logprobs
 

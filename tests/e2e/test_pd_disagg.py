@@ -180,7 +180,7 @@ def test_killing_the_prefill_server_mid_transfer_recomputes_and_the_router_falls
 def test_weights_pushed_through_the_router_keep_versions_equal_and_a_mismatch_is_refused(
     llama_dir, decode_server, grpc_prefill_server, expected
 ):
-    from rollout_engine.worker.models.loader import iterate_checkpoint
+    from rollout_engine.worker.weights.loader import iterate_checkpoint
 
     weights = list(iterate_checkpoint(str(llama_dir)))
     with DisaggregatedClient(grpc_prefill_server.address, decode_server.address,

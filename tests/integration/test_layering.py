@@ -25,7 +25,7 @@ def test_an_engine_with_every_kv_transport_does_not_import_the_server(tmp_path):
         f"llm = LLM(str(build_tiny_model({str(tmp_path / 'm')!r})), kv_role='both')\n"
         "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))"
     )
-    assert "rollout_engine.kv_connector" in loaded
+    assert "rollout_engine.engine.kv_connector" in loaded
     assert not {m for m in loaded if m.startswith("rollout_engine.server")}
 
 

@@ -17,7 +17,7 @@ from rollout_engine import (
     RequestOutputKind,
     SamplingParams,
 )
-from rollout_engine.llm_engine import LLMEngine
+from rollout_engine.engine.llm_engine import LLMEngine
 from rollout_engine.protocol import WeightVersionSpan
 from rollout_engine.tiny_model import build_tiny_model
 from rollout_engine.worker.fault_injection import FaultInjector
@@ -124,7 +124,7 @@ def test_kept_requests_woken_without_an_update_wait_for_it_and_say_why(
 
     def train_phase() -> None:
         engine.sleep(level=2, mode="keep")
-        with caplog.at_level(logging.WARNING, logger="rollout_engine.llm_engine"):
+        with caplog.at_level(logging.WARNING, logger="rollout_engine.engine.llm_engine"):
             engine.wake_up()
         assert f"{len(PROMPTS)} kept requests wait for a weight update" in caplog.text
         info = engine.info()

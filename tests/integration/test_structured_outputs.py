@@ -179,7 +179,7 @@ def test_constraints_give_the_same_tokens_under_async_scheduling(llama_dir):
 
 
 def test_the_bitmask_is_applied_bit_for_bit():
-    from rollout_engine.worker.sampler import apply_token_bitmask
+    from rollout_engine.worker.sampling.sampler import apply_token_bitmask
 
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((3, 70)).astype(np.float32)

@@ -14,9 +14,9 @@ import transformers
 from rollout_engine import LLM, SamplingParams
 from rollout_engine.protocol import ModelLoadError
 from rollout_engine.tiny_model import BOS_TOKEN, EOS_TOKEN, SPECIAL_TOKENS, write_model_dir
-from rollout_engine.worker.models.loader import iterate_checkpoint
 from rollout_engine.worker.models.packed_linear import PackedModuleLinears
 from rollout_engine.worker.models.transformers_backend import TransformersForCausalLM
+from rollout_engine.worker.weights.loader import iterate_checkpoint
 from tests.integration.hf_oracle import hf_greedy, hf_logprobs, load_hf_model
 
 MAX_NEW_TOKENS = 12

@@ -14,13 +14,13 @@ from rollout_engine.protocol import (
     ScoreOutput,
     TopLogprobs,
 )
+from rollout_engine.protocol.wire_codec import from_message
 from rollout_engine.server.convert import (
     BatchStreamState,
     GenerateStreamState,
     score_request_from_proto,
     score_response,
 )
-from rollout_engine.wire_codec import from_message
 from trainer_bridge.client import _apply_generate_response, _prompt_logprobs
 
 PROMPT = [5, 6, 7]

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from rollout_engine.detokenizer import (
+from rollout_engine.engine.detokenizer import (
     CompletionText,
     IncrementalDetokenizer,
     StopChecker,

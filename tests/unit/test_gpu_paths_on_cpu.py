@@ -9,8 +9,8 @@ import torch
 from kernels.dispatch import attention_backend
 from protos import rollout_pb2 as pb
 from rollout_engine.protocol import WeightUpdateError
-from rollout_engine.server.weights import SharedBuffers
-from rollout_engine.worker.cuda_ipc import local_cuda_ordinal
+from rollout_engine.server.weight_receiver import SharedBuffers
+from rollout_engine.worker.cuda_ipc_receiver import local_cuda_ordinal
 
 
 def test_attention_backend_per_device():

@@ -17,18 +17,18 @@ from rollout_engine.protocol import (
     StepFailedError,
     StructuredOutputsParams,
 )
-from rollout_engine.server.http.errors import (
-    NotServedHereError,
-    RequestTooLargeError,
-    UnknownModelError,
-    http_status_for,
-)
-from rollout_engine.server.http.protocol import (
+from rollout_engine.server.http.api_models import (
     IGNORED_FIELDS,
     REFUSED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
     unknown_fields,
+)
+from rollout_engine.server.http.error_responses import (
+    NotServedHereError,
+    RequestTooLargeError,
+    UnknownModelError,
+    http_status_for,
 )
 from rollout_engine.server.http.sampling import chat_params, completion_params
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from rollout_engine.worker.cpu_threads import cpu_seconds
-from rollout_engine.worker.kv_transfer import KVStore
+from rollout_engine.worker.kv_transfer.kv_connector_worker import KVStore
 
 
 def started_threads(action) -> list[threading.Thread]:

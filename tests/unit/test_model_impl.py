@@ -12,8 +12,8 @@ import transformers
 
 from rollout_engine.config import EngineConfig, ModelConfig
 from rollout_engine.protocol import ModelLoadError
-from rollout_engine.worker.models.loader import resolve_model_impl
 from rollout_engine.worker.models.transformers_backend import check_config, num_kv_shared_layers_of
+from rollout_engine.worker.weights.loader import resolve_model_impl
 from rollout_engine.worker.worker import check_model_impl
 
 SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}

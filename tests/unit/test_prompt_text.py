@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from rollout_engine.prompt_text import (
+from rollout_engine.engine.prompt_text import (
     check_prompt_length,
     check_text,
     max_chars_per_token,

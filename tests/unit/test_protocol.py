@@ -32,7 +32,7 @@ from rollout_engine.protocol import (
     WeightVersionSpan,
     error_from_status,
 )
-from rollout_engine.wire_codec import from_message, to_message
+from rollout_engine.protocol.wire_codec import from_message, to_message
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WIRE_TYPES = [
@@ -49,7 +49,7 @@ WIRE_TYPES = [
 TORCH_FREE_MODULES = [
     "rollout_engine",
     "rollout_engine.protocol",
-    "rollout_engine.wire_codec",
+    "rollout_engine.protocol.wire_codec",
     "rollout_engine.config",
     "rollout_engine.core.block_pool",
     "rollout_engine.core.kv_cache_manager",
@@ -280,14 +280,15 @@ def _top_level_definitions(path: Path) -> set[str]:
 
 
 def test_no_shared_type_or_constant_is_defined_twice():
-    shared = {n for n in _top_level_definitions(REPO_ROOT / "rollout_engine/protocol.py")
-              if not n.startswith("_")}
+    protocol_dir = REPO_ROOT / "rollout_engine/protocol"
+    shared = {n for path in protocol_dir.glob("*.py") if path.name != "__init__.py"
+              for n in _top_level_definitions(path) if not n.startswith("_")}
     literals = {protocol.SERVICE_NAME, protocol.ERROR_TYPE_KEY}
     offenders = []
     for package in ("rollout_engine", "trainer_bridge", "memory", "kernels", "benchmarks",
                     "examples"):
         for path in sorted((REPO_ROOT / package).rglob("*.py")):
-            if path.name == "protocol.py" and path.parent.name == "rollout_engine":
+            if path.parent == protocol_dir:
                 continue
             for name in _top_level_definitions(path) & shared:
                 offenders.append(f"{path.relative_to(REPO_ROOT)} defines {name}")

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from rollout_engine.request_stats import (
+from rollout_engine.engine.request_stats import (
     INTER_TOKEN_LATENCY_BUCKETS_S,
     REQUEST_LATENCY_BUCKETS_S,
     TIME_TO_FIRST_TOKEN_BUCKETS_S,
@@ -98,7 +98,7 @@ def test_prefix_cache_queries_count_the_tokens_looked_up():
 
 
 def test_the_stats_module_imports_no_torch():
-    code = "import sys, rollout_engine.request_stats, rollout_engine.prompt_text; " \
+    code = "import sys, rollout_engine.engine.request_stats, rollout_engine.engine.prompt_text; " \
            "print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True, timeout=120)

@@ -10,7 +10,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from rollout_engine.core.scheduler_output import NO_ALLOWED_TOKEN_ID
 from rollout_engine.protocol import SamplingParams
-from rollout_engine.worker.sampler import (
+from rollout_engine.worker.sampling.sampler import (
     Sampler,
     SampleResult,
     SamplingRow,
@@ -545,7 +545,7 @@ def test_cuda_logits_match_cpu() -> None:
 def test_vectorised_uniforms_equal_the_scalar_ones() -> None:
     import numpy as np
 
-    from rollout_engine.worker.sampler import position_uniforms
+    from rollout_engine.worker.sampling.sampler import position_uniforms
 
     seeds = [request_stream_seed(s, i) for s in (0, 1, -5, 2**70 + 3) for i in range(3)]
     indices = list(range(0, 4000, 333))
@@ -564,7 +564,7 @@ def _full_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tenso
 
 @pytest.mark.parametrize("vocab", [5, 256, 1000, 8192])
 def test_two_level_inverse_cdf_equals_the_full_cumsum(vocab: int) -> None:
-    from rollout_engine.worker.rejection_sampler import inverse_cdf_sample
+    from rollout_engine.worker.sampling.rejection_sampler import inverse_cdf_sample
 
     gen = torch.Generator().manual_seed(vocab)
     probs = torch.randn(64, vocab, generator=gen).mul(3).softmax(-1)

@@ -17,9 +17,9 @@ from rollout_engine.core.scheduler_output import (
     SchedulerOutput,
 )
 from rollout_engine.protocol import SamplingParams, TopLogprobs
-from rollout_engine.worker.logits_processing import LogitsProcessing
 from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
-from rollout_engine.worker.sampler import (
+from rollout_engine.worker.sampling.logits_processing import LogitsProcessing
+from rollout_engine.worker.sampling.sampler import (
     Sampler,
     SampleResult,
     SamplingRow,

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from rollout_engine.step_executor import (
+from rollout_engine.engine.step_executor import (
     FailedSteps,
     ForwardThreadExecutor,
     HostThreadExecutor,

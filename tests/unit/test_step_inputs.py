@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from benchmarks.host_overhead import first_step, per_token_build
 from rollout_engine.protocol import SamplingParams
 from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
-from rollout_engine.worker.sampler import Sampler
+from rollout_engine.worker.sampling.sampler import Sampler
 from rollout_engine.worker.staging import HostStaging
 from rollout_engine.worker.step_inputs import build_step_inputs
 from tests.unit.test_sampler import make_row, mixed_batch, random_logits

@@ -19,8 +19,8 @@ from rollout_engine.worker.models.tp_sharding import (
     split_evenly,
     vocab_shard,
 )
-from rollout_engine.worker.tp_group import TPGroup
-from rollout_engine.worker.weight_update import plan_update, weight_targets
+from rollout_engine.worker.tp.tp_group import TPGroup
+from rollout_engine.worker.weights.weight_update import plan_update, weight_targets
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"

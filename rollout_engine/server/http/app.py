@@ -21,7 +21,7 @@ from fastapi import FastAPI
 
 from rollout_engine.server.http import chat, completions, control, info, tokenize
 from rollout_engine.server.http.context import ServingContext
-from rollout_engine.server.http.errors import (
+from rollout_engine.server.http.error_responses import (
     UnauthorizedError,
     error_response,
     install_error_handlers,

@@ -22,10 +22,11 @@ from rollout_engine.protocol import (
     RequestOutputKind,
     SamplingParams,
 )
+from rollout_engine.server.http.api_models import ChatCompletionRequest
 from rollout_engine.server.http.chat_template import RenderedChat
 from rollout_engine.server.http.completions import usage
 from rollout_engine.server.http.context import ServingContext, serving
-from rollout_engine.server.http.errors import json_response
+from rollout_engine.server.http.error_responses import json_response
 from rollout_engine.server.http.generation import (
     EngineRun,
     final_outputs,
@@ -33,7 +34,6 @@ from rollout_engine.server.http.generation import (
     until_disconnected,
 )
 from rollout_engine.server.http.logprobs import TokenTexts, chat_logprobs, prompt_logprobs_json
-from rollout_engine.server.http.protocol import ChatCompletionRequest
 from rollout_engine.server.http.sampling import chat_params
 from rollout_engine.server.http.sse import EventStreamResponse, event
 

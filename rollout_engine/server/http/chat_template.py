@@ -15,11 +15,11 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rollout_engine.prompt_text import check_prompt_length, check_text
+from rollout_engine.engine.prompt_text import check_prompt_length, check_text
 from rollout_engine.protocol import InvalidRequestError
 
 if TYPE_CHECKING:
-    from rollout_engine.processor import Processor
+    from rollout_engine.engine.input_processor import Processor
 
 # Arguments the server passes itself: chat_template_kwargs may not override them.
 _RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",

@@ -20,8 +20,9 @@ from rollout_engine.protocol import (
     RequestOutputKind,
     TopLogprobs,
 )
+from rollout_engine.server.http.api_models import CompletionRequest
 from rollout_engine.server.http.context import ServingContext, serving
-from rollout_engine.server.http.errors import json_response
+from rollout_engine.server.http.error_responses import json_response
 from rollout_engine.server.http.generation import (
     EngineRun,
     final_outputs,
@@ -33,7 +34,6 @@ from rollout_engine.server.http.logprobs import (
     completion_logprobs,
     prompt_logprobs_json,
 )
-from rollout_engine.server.http.protocol import CompletionRequest
 from rollout_engine.server.http.sampling import completion_params
 from rollout_engine.server.http.sse import EventStreamResponse, event
 

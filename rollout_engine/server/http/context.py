@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rollout_engine.config import is_loopback_host
-from rollout_engine.processor import Processor
+from rollout_engine.engine.input_processor import Processor
 from rollout_engine.protocol import InvalidRequestError
 from rollout_engine.server.http.chat_template import RenderedChat, render_chat
-from rollout_engine.server.http.errors import UnknownModelError
+from rollout_engine.server.http.error_responses import UnknownModelError
 from rollout_engine.server.http.metrics import VllmMetrics
 from rollout_engine.server.http.off_loop import OffLoopPool
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from rollout_engine.config import ServerConfig
     from rollout_engine.server.admission import Admission
     from rollout_engine.server.engine_loop import EngineLoop
-    from rollout_engine.server.http.protocol import ChatCompletionRequest, TokenizeChatRequest
+    from rollout_engine.server.http.api_models import ChatCompletionRequest, TokenizeChatRequest
 
 T = TypeVar("T")
 MAX_CHAT_TEMPLATE_CHARS = 64 * 1024

@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from rollout_engine.protocol import MAX_LOGPROBS, SamplingParams, SleepLevel, check_sleep_mode
 from rollout_engine.server.http.context import ServingContext, serving
-from rollout_engine.server.http.errors import NotServedHereError, json_response
+from rollout_engine.server.http.error_responses import NotServedHereError, json_response
 
 router = APIRouter()
 weight_transfer_router = APIRouter()

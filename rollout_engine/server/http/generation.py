@@ -23,8 +23,8 @@ from rollout_engine.protocol import (
     RequestOutputKind,
 )
 from rollout_engine.server.engine_loop import OutputSink
-from rollout_engine.server.http.errors import RequestTooLargeError
-from rollout_engine.server.http.protocol import unknown_fields
+from rollout_engine.server.http.api_models import unknown_fields
+from rollout_engine.server.http.error_responses import RequestTooLargeError
 
 if TYPE_CHECKING:
     from fastapi import Request

@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from rollout_engine.protocol import EngineInfo
 from rollout_engine.server.http.context import ServingContext, serving
-from rollout_engine.server.http.errors import error_body, json_response
+from rollout_engine.server.http.error_responses import error_body, json_response
 
 router = APIRouter()
 _CREATED_S = int(time.time())

@@ -23,8 +23,8 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
+    from rollout_engine.engine.request_stats import Histogram, RequestStatsSnapshot
     from rollout_engine.protocol import EngineInfo
-    from rollout_engine.request_stats import Histogram, RequestStatsSnapshot
 
 LABELS = ["model_name", "engine"]
 ENGINE_INDEX = "0"

@@ -13,7 +13,7 @@ from rollout_engine.protocol import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from rollout_engine.server.http.protocol import (
+from rollout_engine.server.http.api_models import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,

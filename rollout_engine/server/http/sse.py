@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from starlette.responses import StreamingResponse
 
-from rollout_engine.server.http.errors import stream_error_event
+from rollout_engine.server.http.error_responses import stream_error_event
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send

@@ -9,14 +9,14 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from rollout_engine.protocol import InvalidRequestError
-from rollout_engine.server.http.context import serving
-from rollout_engine.server.http.errors import json_response
-from rollout_engine.server.http.generation import parse_body, read_json, read_json_object
-from rollout_engine.server.http.protocol import (
+from rollout_engine.server.http.api_models import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from rollout_engine.server.http.context import serving
+from rollout_engine.server.http.error_responses import json_response
+from rollout_engine.server.http.generation import parse_body, read_json, read_json_object
 
 router = APIRouter()
 

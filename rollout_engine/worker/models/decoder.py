@@ -28,7 +28,7 @@ from rollout_engine.worker.models.parallel_layers import (
     vocab_parallel_logits,
 )
 from rollout_engine.worker.models.tp_sharding import ShardSpec, attention_shard
-from rollout_engine.worker.tp_group import TPGroup
+from rollout_engine.worker.tp.tp_group import TPGroup
 
 
 @dataclass(frozen=True)

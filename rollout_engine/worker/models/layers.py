@@ -12,7 +12,7 @@ from torch import nn
 from rollout_engine.worker.models.packed_linear import PackedLinear
 from rollout_engine.worker.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from rollout_engine.worker.models.tp_sharding import split_evenly
-from rollout_engine.worker.tp_group import TPGroup
+from rollout_engine.worker.tp.tp_group import TPGroup
 
 
 class RMSNorm(nn.Module):

@@ -12,7 +12,7 @@ from torch import nn
 
 from rollout_engine.worker.models.packed_linear import PackedLinear
 from rollout_engine.worker.models.tp_sharding import ShardSpec, vocab_shard
-from rollout_engine.worker.tp_group import TPGroup
+from rollout_engine.worker.tp.tp_group import TPGroup
 
 
 class ColumnParallelLinear(nn.Linear):

@@ -26,11 +26,6 @@ from kernels import AttentionMetadata
 from rollout_engine.protocol import ModelLoadError
 from rollout_engine.worker.kv_cache_spec import LayerKVSpec
 from rollout_engine.worker.models.decoder import sliding_windows_of
-from rollout_engine.worker.models.loader import (
-    iterate_checkpoint_slices,
-    load_weights,
-    materialize_parameters,
-)
 from rollout_engine.worker.models.tp_sharding import ShardSpec
 from rollout_engine.worker.models.transformers_attention import (
     ATTENTION_NAME,
@@ -39,10 +34,15 @@ from rollout_engine.worker.models.transformers_attention import (
     register_attention,
     running,
 )
+from rollout_engine.worker.weights.loader import (
+    iterate_checkpoint_slices,
+    load_weights,
+    materialize_parameters,
+)
 
 if TYPE_CHECKING:
     from rollout_engine.worker.kv_cache_spec import PagedKVCache
-    from rollout_engine.worker.models.loader import Allocator
+    from rollout_engine.worker.weights.loader import Allocator
 
 _RECURRENT_MODEL_TYPES = frozenset({
     "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "lfm2", "lfm2_moe",

@@ -35,7 +35,8 @@ import torch
 
 from rollout_engine.core.scheduler_output import NO_ALLOWED_TOKEN_ID
 from rollout_engine.protocol import SamplingParams, TopLogprobs
-from rollout_engine.worker.logits_processing import (  # noqa: F401 (re-exported)
+from rollout_engine.worker.ragged import index_within_runs
+from rollout_engine.worker.sampling.logits_processing import (  # noqa: F401 (re-exported)
     LogitsProcessing,
     allowed_tokens,
     apply_repetition_penalty,
@@ -45,18 +46,17 @@ from rollout_engine.worker.logits_processing import (  # noqa: F401 (re-exported
     processing_arrays,
     repetition_penalty_arrays,
 )
-from rollout_engine.worker.ragged import index_within_runs
-from rollout_engine.worker.random_streams import (  # noqa: F401 (re-exported)
+from rollout_engine.worker.sampling.random_streams import (  # noqa: F401 (re-exported)
     position_uniform,
     position_uniforms,
     request_stream_seed,
 )
-from rollout_engine.worker.rejection_sampler import (
+from rollout_engine.worker.sampling.rejection_sampler import (
     SampleResult,
     accept_matching_drafts,
     inverse_cdf_sample,
 )
-from rollout_engine.worker.sampling_filters import (  # noqa: F401 (re-exported)
+from rollout_engine.worker.sampling.sampling_filters import (  # noqa: F401 (re-exported)
     FilterDecisions,
     FilterHints,
     filter_decisions,

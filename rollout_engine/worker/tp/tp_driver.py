@@ -23,10 +23,10 @@ from rollout_engine.core.scheduler_output import ModelRunnerOutput
 from rollout_engine.protocol import MemoryState, RankFailedError, SleepLevel
 from rollout_engine.worker.cpu_threads import usable_cores
 from rollout_engine.worker.model_runner import PreparedStep
-from rollout_engine.worker.tp_group import TPGroup, connect
-from rollout_engine.worker.tp_processes import RankProcesses
-from rollout_engine.worker.tp_rank import rank_device
-from rollout_engine.worker.weight_update import ManifestEntry
+from rollout_engine.worker.tp.tp_group import TPGroup, connect
+from rollout_engine.worker.tp.tp_processes import RankProcesses
+from rollout_engine.worker.tp.tp_rank import rank_device
+from rollout_engine.worker.weights.weight_update import ManifestEntry
 from rollout_engine.worker.worker import Worker, check_model_impl
 
 

@@ -25,8 +25,8 @@ import torch
 from memory import MemoryEventLog
 from rollout_engine.protocol import WeightUpdateError
 from rollout_engine.worker.engine_memory import EngineMemory
-from rollout_engine.worker.models.loader import tied_aliases
 from rollout_engine.worker.models.tp_sharding import ShardSpec
+from rollout_engine.worker.weights.loader import tied_aliases
 
 ManifestEntry = tuple[str, tuple[int, ...], torch.dtype]
 """(name, shape, dtype) of one tensor an update will send."""

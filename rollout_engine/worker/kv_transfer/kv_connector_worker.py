@@ -41,7 +41,7 @@ from rollout_engine.config import KVTransferConfig
 from rollout_engine.core.scheduler_output import KVLoad
 from rollout_engine.protocol import KVTransferError, KVTransferParams
 from rollout_engine.worker.kv_cache_spec import KVCacheSpec, PagedKVCache
-from rollout_engine.worker.kv_transports import (
+from rollout_engine.worker.kv_transfer.kv_transports import (
     KVTransferFailed,
     cuda_ipc_location,
     fetch_shm,

@@ -16,7 +16,7 @@ import types
 import typing
 from typing import Any, TypeVar
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
 def to_message(obj: Any, message: Any) -> Any:
@@ -46,7 +46,7 @@ def to_message(obj: Any, message: Any) -> Any:
     return message
 
 
-def from_message(message: Any, cls: type[T]) -> T:
+def from_message(message: Any, cls: type[_T]) -> _T:
     """A `cls` (a protocol dataclass) from a protobuf message; `cls` validates the values."""
     fields = message.DESCRIPTOR.fields_by_name
     hints = _type_hints(cls)

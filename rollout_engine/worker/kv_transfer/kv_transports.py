@@ -147,7 +147,7 @@ def fetch_cuda_ipc(params: KVTransferParams, deadline: float) -> torch.Tensor:
     """Decode side of the "cuda_ipc" transport: a private copy of the prefill engine's CUDA
     tensor (raw bytes), on this process's view of the same GPU."""
     from protos import rollout_pb2 as pb
-    from rollout_engine.worker.cuda_ipc import open_cuda_ipc_buffer
+    from rollout_engine.worker.cuda_ipc_receiver import open_cuda_ipc_buffer
 
     try:
         shared = open_cuda_ipc_buffer(pb.CudaIpcHandle(**cuda_ipc_descriptor_of(params)))

@@ -26,7 +26,7 @@ from rollout_engine.server.status import safe_deserializer
 
 if TYPE_CHECKING:
     from rollout_engine.config import ServerConfig
-    from rollout_engine.llm_engine import LLMEngine
+    from rollout_engine.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 _HEALTH_INTERVAL_S = 0.2

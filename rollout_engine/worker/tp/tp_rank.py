@@ -49,8 +49,8 @@ def rank_main(
 
 def _build_worker(rank: int, size: int, port: int, config, max_model_len: int):
     from memory import MemoryEventLog
-    from rollout_engine.worker.models.loader import load_hf_config
-    from rollout_engine.worker.tp_group import connect, create_store
+    from rollout_engine.worker.tp.tp_group import connect, create_store
+    from rollout_engine.worker.weights.loader import load_hf_config
     from rollout_engine.worker.worker import Worker
 
     timeout_s = config.parallel_config.distributed_timeout_s

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 
-from rollout_engine.detokenizer import CompletionText
-from rollout_engine.prompt_text import check_prompt_length, check_text, max_prompt_chars
+from rollout_engine.engine.detokenizer import CompletionText
+from rollout_engine.engine.prompt_text import check_prompt_length, check_text, max_prompt_chars
 from rollout_engine.protocol import InvalidRequestError, SamplingParams, StructuredOutputsParams
 
 

@@ -4,7 +4,7 @@ Per step, the work done here is proportional to what the step produced: the prom
 tokens are found from the step's updated requests, and a prompt's output copies only what its
 output kind asks for (nothing until it finishes for FINAL_ONLY, the new tokens for DELTA).
 Only CUMULATIVE outputs copy every token so far, at every step. Text likewise: a DELTA output
-decodes its new tokens, any other a sample's text once it finished (rollout_engine.detokenizer).
+decodes its new tokens, any other a sample's text once it finished (rollout_engine.engine.detokenizer).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rollout_engine.core.request import Request
+from rollout_engine.engine.request_stats import RequestStats
 from rollout_engine.protocol import (
     CompletionOutput,
     RequestOutput,
@@ -21,10 +22,9 @@ from rollout_engine.protocol import (
     TopLogprobs,
     WeightVersionSpan,
 )
-from rollout_engine.request_stats import RequestStats
 
 if TYPE_CHECKING:
-    from rollout_engine.detokenizer import CompletionText
+    from rollout_engine.engine.detokenizer import CompletionText
 
 
 @dataclass

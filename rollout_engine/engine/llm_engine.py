@@ -15,9 +15,12 @@ from rollout_engine.core.request import Request
 from rollout_engine.core.scheduler import Scheduler
 from rollout_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from rollout_engine.core.spec_decode import SpecDecoder
-from rollout_engine.kv_connector import EngineKVConnector
-from rollout_engine.output_processor import OutputProcessor, RequestGroup
-from rollout_engine.processor import Processor
+from rollout_engine.engine.input_processor import Processor
+from rollout_engine.engine.kv_connector import EngineKVConnector
+from rollout_engine.engine.output_processor import OutputProcessor, RequestGroup
+from rollout_engine.engine.request_stats import RequestStats, RequestStatsSnapshot
+from rollout_engine.engine.step_executor import FailedSteps, LandedStep, make_executor, run_here
+from rollout_engine.engine.step_failures import dead_end_error, step_error
 from rollout_engine.protocol import (
     KV_CACHE_TAG,
     EngineBusyError,
@@ -34,13 +37,14 @@ from rollout_engine.protocol import (
     check_memory_tags,
     check_sleep_mode,
 )
-from rollout_engine.request_stats import RequestStats, RequestStatsSnapshot
-from rollout_engine.step_executor import FailedSteps, LandedStep, make_executor, run_here
-from rollout_engine.step_failures import dead_end_error, step_error
 from rollout_engine.worker.cpu_threads import CpuThreadPolicy
 from rollout_engine.worker.model_runner import PreparedStep
-from rollout_engine.worker.models.loader import load_hf_config
-from rollout_engine.worker.weight_update import ManifestEntry, NamedTensors, WeightUpdateSession
+from rollout_engine.worker.weights.loader import load_hf_config
+from rollout_engine.worker.weights.weight_update import (
+    ManifestEntry,
+    NamedTensors,
+    WeightUpdateSession,
+)
 from rollout_engine.worker.worker import Worker
 
 if TYPE_CHECKING:
@@ -627,7 +631,7 @@ def _worker_class(config: EngineConfig) -> type[Worker]:
     """The plain Worker, or under tensor parallelism rank 0's, which starts the others."""
     if config.parallel_config.tensor_parallel_size == 1:
         return Worker
-    from rollout_engine.worker.tp_driver import DriverWorker
+    from rollout_engine.worker.tp.tp_driver import DriverWorker
 
     return DriverWorker
 
@@ -637,7 +641,7 @@ def _cpu_threads(config: EngineConfig) -> int | None:
     its share of the cores."""
     if config.parallel_config.tensor_parallel_size == 1:
         return config.model_config.cpu_threads
-    from rollout_engine.worker.tp_driver import cpu_threads_per_rank
+    from rollout_engine.worker.tp.tp_driver import cpu_threads_per_rank
 
     return cpu_threads_per_rank(config)
 

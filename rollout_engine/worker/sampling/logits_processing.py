@@ -36,7 +36,7 @@ import torch
 
 if TYPE_CHECKING:
     from rollout_engine.protocol import SamplingParams
-    from rollout_engine.worker.sampler import SamplingRow
+    from rollout_engine.worker.sampling.sampler import SamplingRow
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from torch import nn
 from rollout_engine.protocol import ModelLoadError
 from rollout_engine.worker.models.decoder import DecoderForCausalLM
 from rollout_engine.worker.models.native_config import unimplemented_fields
-from rollout_engine.worker.tp_group import TPGroup
+from rollout_engine.worker.tp.tp_group import TPGroup
 
 # Allocates a parameter's storage: (shape, dtype) -> tensor. The memory manager passes
 # one that carves views out of its weights pool.

@@ -18,8 +18,8 @@ from rollout_engine.config import EngineConfig
 from rollout_engine.core.scheduler import Scheduler
 from rollout_engine.core.scheduler_output import KVLoad
 from rollout_engine.protocol import KVTransferError, KVTransferParams
-from rollout_engine.worker.kv_transfer import KVTransfer, kv_layout_key
-from rollout_engine.worker.kv_transports import GrpcFetcher, fetch_cuda_ipc
+from rollout_engine.worker.kv_transfer.kv_connector_worker import KVTransfer, kv_layout_key
+from rollout_engine.worker.kv_transfer.kv_transports import GrpcFetcher, fetch_cuda_ipc
 from rollout_engine.worker.worker import Worker
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from rollout_engine.server.chunk_decoding import RawChunk, stream_chunk_buffer
 from rollout_engine.server.convert import weight_manifest_from_proto
 from rollout_engine.server.engine_loop import EngineLoop
 from rollout_engine.server.status import check_decoded
-from rollout_engine.worker.cuda_ipc import open_cuda_ipc_buffer
+from rollout_engine.worker.cuda_ipc_receiver import open_cuda_ipc_buffer
 
 # Views of received bytes are only read (copied into the parameters), never written.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")

@@ -14,8 +14,8 @@ import weakref
 from typing import Any
 
 from rollout_engine.protocol import RankFailedError
-from rollout_engine.worker.tp_group import create_store
-from rollout_engine.worker.tp_rank import RankCommand, rank_main
+from rollout_engine.worker.tp.tp_group import create_store
+from rollout_engine.worker.tp.tp_rank import RankCommand, rank_main
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Prefill-decode disaggregation, the worker's half: the KV store and its transports."""

@@ -1,0 +1,1 @@
+"""Tensor parallelism: rank 0's driver, the other ranks' processes and loop, and their group."""
