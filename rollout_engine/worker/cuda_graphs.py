@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import AttentionMetadata
-from rollout_engine.worker.models.decoder import DecoderForCausalLM
 
 if TYPE_CHECKING:
     from rollout_engine.worker.kv_cache_spec import PagedKVCache
+    from rollout_engine.worker.models.registry import CausalLM
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -56,7 +56,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: DecoderForCausalLM,
+        model: CausalLM,
         kv_caches: PagedKVCache,
         block_size: int,
         max_batch_size: int,

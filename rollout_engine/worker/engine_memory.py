@@ -37,7 +37,7 @@ class EngineMemory:
 
     # ------------------------------------------------------------------ pools
     def create_weights_pool(self, num_bytes: int) -> MemoryPool:
-        """The pool the loader carves parameters out of (`build_model(allocate=pool.allocate)`)."""
+        """The pool the model's parameters are carved out of (`ModelBackend.load`)."""
         return self.manager.create_pool(WEIGHTS_TAG, num_bytes)
 
     def allocate_kv_cache(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

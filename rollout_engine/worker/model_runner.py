@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,13 +15,15 @@ from rollout_engine.protocol import StepFailedError
 from rollout_engine.worker.cuda_graphs import DecodeGraphs
 from rollout_engine.worker.fault_injection import FaultInjector
 from rollout_engine.worker.kv_cache_spec import PagedKVCache
-from rollout_engine.worker.models.decoder import DecoderForCausalLM
-from rollout_engine.worker.models.packed_linear import PackedModuleLinears, PackedWeights
+from rollout_engine.worker.models.packed_linear import PackedCopies
 from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
 from rollout_engine.worker.sampling.prompt_logprobs import compute_prompt_logprobs
 from rollout_engine.worker.sampling.sampler import Sampler
 from rollout_engine.worker.staging import HostStaging
 from rollout_engine.worker.step_inputs import StepInputs, build_step_inputs
+
+if TYPE_CHECKING:
+    from rollout_engine.worker.models.registry import CausalLM
 
 
 @dataclass
@@ -44,13 +47,13 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: DecoderForCausalLM,
+        model: CausalLM,
         kv_caches: PagedKVCache,
         block_size: int,
         seed: int,
         decode_graphs: DecodeGraphs | None = None,
         is_driver: bool = True,
-        packed_weights: PackedWeights | PackedModuleLinears | None = None,
+        packed_weights: PackedCopies | None = None,
     ) -> None:
         self.model = model
         self.packed_weights = packed_weights

@@ -15,31 +15,15 @@ from rollout_engine.worker.cuda_graphs import DecodeGraphs
 from rollout_engine.worker.engine_memory import EngineMemory
 from rollout_engine.worker.kv_cache_spec import (
     DEFAULT_CPU_KV_CACHE_BYTES,
-    KVCacheSpec,
     PagedKVCache,
     activation_bytes_estimate,
     plan_kv_cache_bytes,
 )
 from rollout_engine.worker.model_runner import ModelRunner, PreparedStep
-from rollout_engine.worker.models.decoder import DecoderForCausalLM
-from rollout_engine.worker.models.packed_linear import (
-    PackedModuleLinears,
-    PackedWeights,
-    can_pack,
-)
-from rollout_engine.worker.models.tp_sharding import check_tensor_parallel
-from rollout_engine.worker.models.transformers_backend import TransformersForCausalLM
+from rollout_engine.worker.models.packed_linear import PackedCopies, can_pack
+from rollout_engine.worker.models.registry import CausalLM, resolve_model_backend
 from rollout_engine.worker.tp.tp_group import TPGroup
-from rollout_engine.worker.weights.loader import (
-    ResolvedModelImpl,
-    build_model,
-    iterate_checkpoint_slices,
-    load_weights,
-    parameter_nbytes,
-    pool_nbytes,
-    resolve_dtype,
-    resolve_model_impl,
-)
+from rollout_engine.worker.weights.loader import resolve_dtype
 from rollout_engine.worker.weights.weight_update import WeightUpdater
 
 
@@ -62,22 +46,37 @@ class Worker:
         tp: TPGroup | None = None,
         device: torch.device | None = None,
     ) -> None:
-        model_config, cache_config = config.model_config, config.cache_config
-        self.tp = tp = tp or TPGroup()
-        self.model_impl = check_model_impl(config, hf_config)
+        model_config = config.model_config
+        self.tp = tp or TPGroup()
+        self.model_backend = resolve_model_backend(config, hf_config)
+        """The modeling code that runs the model, as the model registry picked it."""
         self.device = device or torch.device(model_config.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # this thread's kernels go to the engine's GPU
         self.dtype = resolve_dtype(model_config.dtype, hf_config, self.device)
         self.memory = EngineMemory(self.device, event_log)
-        model, weights_bytes = self._load_model(model_config.model, hf_config, max_model_len)
+        model, weights_bytes = self.model_backend.load(
+            model_config.model, self.dtype, self.device, max_model_len,
+            self.memory.create_weights_pool, self.tp,
+        )
+        self._init_packed_weights(model, model_config.cpu_packed_weights)
+        self.weights = WeightUpdater(model, self.memory, event_log,
+                                     self._after_weight_update(on_weight_update))
+        kv_caches = self._init_kv_cache(config, model, hf_config, weights_bytes)
+        self._init_model_runner(config, model, kv_caches, max_model_len)
 
-        self.packed_weights: PackedWeights | PackedModuleLinears | None = None
-        if model_config.cpu_packed_weights and can_pack(self.device, self.dtype):
-            # The native decoder's linears packed fused; HF's (the backend) one by one.
-            packed_class = PackedWeights if self.model_impl == "native" else PackedModuleLinears
-            self.packed_weights = packed_class(model)
+    @property
+    def model_impl(self) -> str:
+        """The name of the modeling code that runs the model (`ModelConfig.model_impl`)."""
+        return self.model_backend.name
 
+    def _init_packed_weights(self, model: CausalLM, cpu_packed_weights: bool) -> None:
+        self.packed_weights: PackedCopies | None = None
+        """CPU: the linears' oneDNN copies (`packed_linear.py`), when the CPU packs them."""
+        if cpu_packed_weights and can_pack(self.device, self.dtype):
+            self.packed_weights = self.model_backend.packed_linears(model)
+
+    def _after_weight_update(self, on_weight_update: Callable[[], None]) -> Callable[[], None]:
         def after_update() -> None:
             on_weight_update()
             if self.packed_weights is not None:
@@ -85,62 +84,43 @@ class Worker:
             self.model_runner.refresh_graphs()
             self._return_cached_device_memory()  # the update's staging copies
 
-        self.weights = WeightUpdater(model, self.memory, event_log, after_update)
-        kv_spec = self.kv_spec = self._kv_cache_spec(model, hf_config, cache_config.block_size)
+        return after_update
+
+    def _init_kv_cache(
+        self, config: EngineConfig, model: CausalLM, hf_config, weights_bytes: int
+    ) -> PagedKVCache:
+        """Size the KV cache (`num_blocks`) and allocate it in the "kv_cache" pool."""
+        cache_config = config.cache_config
+        kv_spec = self.kv_spec = self.model_backend.kv_cache_spec(
+            model, cache_config.block_size, self.dtype
+        )
         self.num_blocks = kv_spec.num_blocks_for(
             cache_config, self._kv_cache_bytes(config, hf_config, weights_bytes)
         )
         # CUDA graphs pad batches; padding rows write to one block outside the pool.
-        num_cache_blocks = self.num_blocks + (1 if model_config.cuda_graphs else 0)
+        num_cache_blocks = self.num_blocks + (1 if config.model_config.cuda_graphs else 0)
         kv_storage = self.memory.allocate_kv_cache(
             (kv_spec.num_elements(num_cache_blocks),), self.dtype
         )
-        kv_caches = PagedKVCache(kv_storage, kv_spec, kv_cache_layout(self.device),
-                                 num_cache_blocks)
+        return PagedKVCache(kv_storage, kv_spec, kv_cache_layout(self.device), num_cache_blocks)
+
+    def _init_model_runner(
+        self, config: EngineConfig, model: CausalLM, kv_caches: PagedKVCache, max_model_len: int
+    ) -> None:
+        model_config, block_size = config.model_config, config.cache_config.block_size
         decode_graphs = None
         if model_config.cuda_graphs:
             decode_graphs = DecodeGraphs(
-                model, kv_caches, cache_config.block_size,
+                model, kv_caches, block_size,
                 max_batch_size=config.scheduler_config.max_num_seqs,
-                max_blocks_per_seq=-(-max_model_len // cache_config.block_size),
+                max_blocks_per_seq=-(-max_model_len // block_size),
                 max_model_len=max_model_len,
                 scratch_block=self.num_blocks,
             )
         self.model_runner = ModelRunner(
-            model, kv_caches, cache_config.block_size, model_config.seed, decode_graphs,
-            is_driver=tp.is_driver, packed_weights=self.packed_weights,
+            model, kv_caches, block_size, model_config.seed, decode_graphs,
+            is_driver=self.tp.is_driver, packed_weights=self.packed_weights,
         )
-
-    def _load_model(
-        self, model_dir: str, hf_config, max_model_len: int
-    ) -> tuple[DecoderForCausalLM | TransformersForCausalLM, int]:
-        """The model holding the checkpoint's weights in the "weights" pool, and the pool's
-        size in bytes. A transformers-backend model is probed once loaded (`check_runs`)."""
-        if self.model_impl == "native":
-            pool = self.memory.create_weights_pool(
-                parameter_nbytes(hf_config, self.dtype, tp=self.tp)
-            )
-            model = build_model(
-                hf_config, self.dtype, self.device, max_model_len, allocate=pool.allocate,
-                tp=self.tp,
-            )
-            load_weights(model, iterate_checkpoint_slices(model_dir))
-            return model, pool.num_bytes
-        backend_model = TransformersForCausalLM(hf_config, self.dtype)  # on the meta device
-        pool = self.memory.create_weights_pool(pool_nbytes(backend_model, self.dtype))
-        backend_model.materialize(pool.allocate, self.device)
-        backend_model.load_checkpoint(model_dir)
-        backend_model.check_runs()
-        return backend_model, pool.num_bytes
-
-    def _kv_cache_spec(
-        self, model: DecoderForCausalLM | TransformersForCausalLM, hf_config, block_size: int
-    ) -> KVCacheSpec:
-        """The native decoder's from its config (this rank's KV heads); a transformers-backend
-        model's from the per-layer KV its load probe saw."""
-        if isinstance(model, TransformersForCausalLM):
-            return KVCacheSpec(block_size, self.dtype, tuple(model.layer_kv_specs))
-        return KVCacheSpec.from_model(hf_config, block_size, self.dtype, self.tp.size)
 
     def set_eos_token_ids(self, eos_token_ids: Sequence[int]) -> None:
         """The model's EOS ids (the engine reads them with the tokenizer): `min_tokens` masks
@@ -228,26 +208,3 @@ class Worker:
         """Address of every parameter the model uses; stable across sleep, wake and updates."""
         return {name: p.data_ptr() for name, p in self.model_runner.model.named_parameters()}
 
-
-def check_model_impl(config: EngineConfig, hf_config) -> ResolvedModelImpl:
-    """The modeling code this engine runs its model with; ValueError for what that code cannot
-    do: the native decoder checks its tensor-parallel split, the transformers backend runs
-    replicated and eagerly (no tensor parallelism, no CUDA graphs yet)."""
-    model_impl = resolve_model_impl(hf_config, config.model_config.model_impl)
-    tp_size = config.parallel_config.tensor_parallel_size
-    if model_impl == "native":
-        check_tensor_parallel(hf_config, tp_size)
-        return model_impl
-    architecture = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
-    if tp_size > 1:
-        raise ValueError(
-            f"tensor_parallel_size {tp_size}: the transformers backend (model_impl="
-            f"'transformers', which runs {architecture}) does not split models yet; use "
-            "tensor_parallel_size=1"
-        )
-    if config.model_config.cuda_graphs:
-        raise ValueError(
-            f"cuda_graphs: the transformers backend (which runs {architecture}) runs eagerly; "
-            "turn cuda_graphs off"
-        )
-    return model_impl

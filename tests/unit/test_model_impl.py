@@ -12,9 +12,8 @@ import transformers
 
 from rollout_engine.config import EngineConfig, ModelConfig
 from rollout_engine.protocol import ModelLoadError
+from rollout_engine.worker.models.registry import resolve_model_backend, resolve_model_impl
 from rollout_engine.worker.models.transformers_backend import check_config, num_kv_shared_layers_of
-from rollout_engine.worker.weights.loader import resolve_model_impl
-from rollout_engine.worker.worker import check_model_impl
 
 SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
 
@@ -91,10 +90,10 @@ def test_the_layers_that_share_kv_come_from_the_config():
 def test_the_transformers_backend_runs_eagerly_and_replicated():
     gpt2 = transformers.GPT2Config(architectures=["GPT2LMHeadModel"])
     with pytest.raises(ValueError, match="runs eagerly"):
-        check_model_impl(EngineConfig.from_kwargs("dir", cuda_graphs=True), gpt2)
+        resolve_model_backend(EngineConfig.from_kwargs("dir", cuda_graphs=True), gpt2)
     with pytest.raises(ValueError, match="does not split models yet"):
-        check_model_impl(EngineConfig.from_kwargs("dir", tensor_parallel_size=2), gpt2)
-    assert check_model_impl(EngineConfig.from_kwargs("dir"), gpt2) == "transformers"
+        resolve_model_backend(EngineConfig.from_kwargs("dir", tensor_parallel_size=2), gpt2)
+    assert resolve_model_backend(EngineConfig.from_kwargs("dir"), gpt2).name == "transformers"
 
 
 # ------------------------------------------------------------- what the native decoder runs

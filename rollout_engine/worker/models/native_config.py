@@ -1,5 +1,5 @@
 """What the native decoder implements, config field by config field: the one table the model
-registry (`loader.resolve_model_impl`) checks a checkpoint's config against.
+registry (`registry.resolve_model_impl`) checks a checkpoint's config against.
 
 A field the decoder does not implement for the value a checkpoint holds would run a different
 model than Hugging Face's (wrong tokens, no error): `model_impl="auto"` then takes the

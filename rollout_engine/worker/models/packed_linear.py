@@ -104,7 +104,7 @@ def _pack_linears(linears: list[torch.nn.Linear], with_bias: bool) -> PackedLine
     return pack([linear.weight for linear in linears], biases)
 
 
-class _PackedCopies:
+class PackedCopies:
     """Packed copies of a model's linears, built by the first forward that needs them
     (`ensure`) and dropped when the weights change (`drop`). Subclasses say where the copies
     go: `_install` packs and hands them to the modules, `_uninstall` takes them back."""
@@ -142,7 +142,7 @@ class _PackedCopies:
         raise NotImplementedError
 
 
-class PackedWeights(_PackedCopies):
+class PackedWeights(PackedCopies):
     """The native decoder's linears, q|k|v and gate|up fused. Each layer module reads its own
     (`packed_qkv`, `packed`...); None means the plain `F.linear` path."""
 
@@ -171,7 +171,7 @@ class PackedWeights(_PackedCopies):
         self.model.packed_logits = None
 
 
-class PackedModuleLinears(_PackedCopies):
+class PackedModuleLinears(PackedCopies):
     """The same for a model whose module tree is not ours (the transformers backend): every
     `nn.Linear` runs on a packed copy of its own weight (no fusion), its `forward` replaced
     by the packed call while packed and given back when dropped."""

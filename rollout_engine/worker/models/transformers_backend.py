@@ -1,4 +1,4 @@
-"""Hugging Face's modeling code over our paged KV cache: the `model_impl="transformers"` backend.
+"""Hugging Face's modeling code over our paged KV cache: the model registry's transformers backend.
 
 transformers calls one attention function per layer through its `AttentionInterface`; ours
 (`transformers_attention.py`) is registered under `ATTENTION_NAME`. For an attention
@@ -34,7 +34,7 @@ from rollout_engine.worker.models.transformers_attention import (
     register_attention,
     running,
 )
-from rollout_engine.worker.weights.loader import (
+from rollout_engine.worker.weights.checkpoint import (
     iterate_checkpoint_slices,
     load_weights,
     materialize_parameters,
@@ -42,7 +42,7 @@ from rollout_engine.worker.weights.loader import (
 
 if TYPE_CHECKING:
     from rollout_engine.worker.kv_cache_spec import PagedKVCache
-    from rollout_engine.worker.weights.loader import Allocator
+    from rollout_engine.worker.weights.checkpoint import Allocator
 
 _RECURRENT_MODEL_TYPES = frozenset({
     "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "lfm2", "lfm2_moe",
@@ -244,7 +244,7 @@ class TransformersForCausalLM(nn.Module):
 
     def load_checkpoint(self, model_dir: str) -> None:
         """Load the checkpoint's tensors into the parameters of the same name
-        (`loader.load_weights`). Names are the checkpoint's after the renames transformers
+        (`checkpoint.load_weights`). Names are the checkpoint's after the renames transformers
         applies on load (GPT-NeoX's `embed_out` is its `lm_head`), streamed from the files.
         A model whose tensors transformers converts on load (MoE experts fused into one
         tensor per layer) is loaded by transformers itself first, on the host, and copied

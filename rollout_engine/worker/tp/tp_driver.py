@@ -23,11 +23,12 @@ from rollout_engine.core.scheduler_output import ModelRunnerOutput
 from rollout_engine.protocol import MemoryState, RankFailedError, SleepLevel
 from rollout_engine.worker.cpu_threads import usable_cores
 from rollout_engine.worker.model_runner import PreparedStep
+from rollout_engine.worker.models.registry import resolve_model_backend
 from rollout_engine.worker.tp.tp_group import TPGroup, connect
 from rollout_engine.worker.tp.tp_processes import RankProcesses
 from rollout_engine.worker.tp.tp_rank import rank_device
 from rollout_engine.worker.weights.weight_update import ManifestEntry
-from rollout_engine.worker.worker import Worker, check_model_impl
+from rollout_engine.worker.worker import Worker
 
 
 def cpu_threads_per_rank(config: EngineConfig) -> int:
@@ -48,7 +49,7 @@ class DriverWorker(Worker):
         event_log: MemoryEventLog,
         on_weight_update: Callable[[], None],
     ) -> None:
-        check_model_impl(config, hf_config)  # refused before any process starts
+        resolve_model_backend(config, hf_config)  # refused before any process starts
         self._broken: str | None = None
         self.ranks = RankProcesses(config, max_model_len, cpu_threads_per_rank(config))
         try:

@@ -26,7 +26,7 @@ from memory import MemoryEventLog
 from rollout_engine.protocol import WeightUpdateError
 from rollout_engine.worker.engine_memory import EngineMemory
 from rollout_engine.worker.models.tp_sharding import ShardSpec
-from rollout_engine.worker.weights.loader import tied_aliases
+from rollout_engine.worker.weights.checkpoint import tied_aliases
 
 ManifestEntry = tuple[str, tuple[int, ...], torch.dtype]
 """(name, shape, dtype) of one tensor an update will send."""
