@@ -15,30 +15,36 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
+from protos import weight_codec
 from rollout_engine.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
-    ERROR_TYPE_KEY,
-    MAX_LOGPROBS,
     SERVICE_NAME,
     CompletionOutput,
     DeadlineExceededError,
     EngineError,
     EngineInfo,
-    InvalidRequestError,
     MemoryState,
+    PauseMode,
     RequestOutput,
     SamplingParams,
     ScoreOutput,
     SleepLevel,
     SleepMode,
-    TopLogprobs,
-    error_from_status,
 )
-from rollout_engine.protocol.wire_codec import from_message, to_message
+from rollout_engine.protocol.wire_codec import from_message
 from trainer_bridge import transports
+from trainer_bridge.client_messages import (
+    Prompt,
+    apply_generate_response,
+    completion_from_proto,
+    error_from_rpc,
+    params_proto,
+    prompt_logprobs_from_proto,
+    prompt_proto,
+    score_request_proto,
+)
 
 T = TypeVar("T")
-Prompt = str | Sequence[int]
 
 
 class CallCancel:
@@ -95,7 +101,7 @@ class EngineClient:
         self._stub = pb_grpc.RolloutEngineStub(self._channel)
         self._update_weights = self._channel.stream_stream(
             "/rollout.v1.RolloutEngine/UpdateWeights",
-            request_serializer=transports.serialize_update_request,
+            request_serializer=weight_codec.serialize_update_request,
             response_deserializer=pb.UpdateWeightsResponse.FromString,
         )
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -152,8 +158,8 @@ class EngineClient:
             ))
             output.prompt_token_ids.extend(item.prompt_token_ids)
             if item.prompt_logprobs:
-                output.prompt_logprobs = _prompt_logprobs(item.prompt_logprobs)
-            output.outputs.append(_completion(item.output))
+                output.prompt_logprobs = prompt_logprobs_from_proto(item.prompt_logprobs)
+            output.outputs.append(completion_from_proto(item.output))
         if len(collected) != len(prompts):
             raise EngineError("the server ended the stream before every prompt finished")
         for i, prompt in enumerate(prompts):
@@ -172,7 +178,7 @@ class EngineClient:
         completion) for each completion, as soon as its prompt's last sample finishes
         (GenerateBatch: the engine builds a prompt's output once, when it is final)."""
         for item in self._iter_batch(prompts, sampling_params, timeout, cancel):
-            yield item.prompt_index, list(item.prompt_token_ids), _completion(item.output)
+            yield item.prompt_index, list(item.prompt_token_ids), completion_from_proto(item.output)
 
     def _iter_batch(
         self,
@@ -181,11 +187,11 @@ class EngineClient:
         timeout: float | None,
         cancel: CallCancel | None,
     ) -> Iterator[pb.BatchCompletion]:
-        request = pb.GenerateBatchRequest(prompts=[_prompt_proto(p) for p in prompts])
+        request = pb.GenerateBatchRequest(prompts=[prompt_proto(p) for p in prompts])
         if isinstance(sampling_params, Sequence):
-            request.per_prompt_sampling_params.extend(_params_proto(p) for p in sampling_params)
+            request.per_prompt_sampling_params.extend(params_proto(p) for p in sampling_params)
         else:
-            request.sampling_params.CopyFrom(_params_proto(sampling_params))
+            request.sampling_params.CopyFrom(params_proto(sampling_params))
         call = self._stub.GenerateBatch(
             request, metadata=self._metadata, timeout=self._deadline(timeout)
         )
@@ -210,14 +216,14 @@ class EngineClient:
         come.
 
         Closing the iterator early cancels the call, and the server frees its KV blocks."""
-        request = pb.GenerateRequest(prompt=_prompt_proto(prompt),
-                                     sampling_params=_params_proto(sampling_params))
+        request = pb.GenerateRequest(prompt=prompt_proto(prompt),
+                                     sampling_params=params_proto(sampling_params))
         call = self._stub.Generate(request, metadata=self._metadata,
                                    timeout=self._deadline(timeout))
         snapshot = RequestOutput("", [], [], prompt if isinstance(prompt, str) else None)
         try:
             for message in call:
-                _apply_generate_response(snapshot, message)
+                apply_generate_response(snapshot, message)
                 yield dataclasses.replace(snapshot, outputs=[
                     dataclasses.replace(
                         o, token_ids=list(o.token_ids), logprobs=list(o.logprobs),
@@ -242,7 +248,7 @@ class EngineClient:
         each given everything before it, under the model's raw distribution, with the top
         `logprobs` tokens per position if set: no sampling (Score). One ScoreOutput per
         sequence, in order; sequences that share a prompt share its KV."""
-        request = _score_request(sequences, prompt_lens, logprobs)
+        request = score_request_proto(sequences, prompt_lens, logprobs)
         reply = self._retrying(self._stub.Score, request, timeout)
         return [from_message(output, ScoreOutput) for output in reply.outputs]
 
@@ -254,7 +260,7 @@ class EngineClient:
         reply = self._retrying(self._stub.Sleep, pb.SleepRequest(level=int(level), mode=mode))
         return reply.num_aborted_requests + reply.num_drained_requests + reply.num_kept_requests
 
-    def pause_generation(self, mode: SleepMode = "abort", clear_cache: bool = True) -> int:
+    def pause_generation(self, mode: PauseMode = "abort", clear_cache: bool = True) -> int:
         """Stop scheduling (vLLM's `pause_generation`): "abort" ends the requests in flight,
         "wait" drains them, "keep" freezes them until `resume_generation()` (their streams
         just wait; weights may be updated meanwhile). Returns how many it ended, drained or
@@ -414,16 +420,6 @@ class EngineClient:
 # ------------------------------------------------------------------------------ helpers
 
 
-def error_from_rpc(exc: grpc.RpcError) -> EngineError:
-    """The typed exception for a failed call (status code, plus the engine's error type)."""
-    code = exc.code().name if exc.code() is not None else "UNKNOWN"
-    error_type = ""
-    for key, value in exc.trailing_metadata() or ():
-        if key == ERROR_TYPE_KEY:
-            error_type = value
-    return error_from_status(code, exc.details() or "", error_type)
-
-
 def is_loopback_address(address: str) -> bool:
     """True for unix sockets and localhost / 127.x / ::1 targets."""
     if address.startswith(("unix:", "unix-abstract:")):
@@ -432,85 +428,3 @@ def is_loopback_address(address: str) -> bool:
     host = target.rsplit(":", 1)[0] if target.count(":") == 1 or "]" in target else target
     host = host.strip("[]")
     return host == "localhost" or host == "::1" or host.startswith("127.")
-
-
-def per_prompt(
-    prompts: Prompt | Sequence[Prompt],
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-) -> tuple[list[Prompt], list[SamplingParams]]:
-    """A prompt or a list of them, and one SamplingParams for all or one per prompt, as two
-    lists of the same length."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    prompts = list(prompts)
-    if isinstance(sampling_params, Sequence):
-        params = list(sampling_params)
-    else:
-        params = [sampling_params or SamplingParams()] * len(prompts)
-    if len(params) != len(prompts):
-        raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-    return prompts, params
-
-
-def _prompt_proto(prompt: Prompt) -> pb.Prompt:
-    if isinstance(prompt, str):
-        return pb.Prompt(text=prompt)
-    return pb.Prompt(token_ids=pb.TokenIds(token_ids=[int(t) for t in prompt]))
-
-
-def _params_proto(params: SamplingParams | None) -> pb.SamplingParams:
-    """None: every field unset, so the server applies its defaults."""
-    return pb.SamplingParams() if params is None else to_message(params, pb.SamplingParams())
-
-
-def _completion(message: pb.CompletionOutput) -> CompletionOutput:
-    return from_message(message, CompletionOutput)
-
-
-def _prompt_logprobs(entries: Sequence[pb.TopLogprobs]) -> list[TopLogprobs | None]:
-    """Per prompt position; an empty entry (the first position) is None."""
-    return [from_message(e, TopLogprobs) if e.token_ids else None for e in entries]
-
-
-def _score_request(
-    sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], logprobs: int | None
-) -> pb.ScoreRequest:
-    """The message; values the wire cannot carry (negative, not ints) are refused here, the
-    rest by the server."""
-    values = [*prompt_lens, *([] if logprobs is None else [logprobs])]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise InvalidRequestError(
-            f"prompt_lens must be ints >= 1 and logprobs None or in [0, {MAX_LOGPROBS}]; got "
-            f"prompt_lens={list(prompt_lens)!r}, logprobs={logprobs!r}"
-        )
-    request = pb.ScoreRequest(
-        sequences=[pb.TokenIds(token_ids=[int(t) for t in s]) for s in sequences],
-        prompt_lens=list(prompt_lens),
-    )
-    if logprobs is not None:
-        request.logprobs = logprobs
-    return request
-
-
-def _apply_generate_response(snapshot: RequestOutput, message: pb.GenerateResponse) -> None:
-    snapshot.request_id = message.request_id or snapshot.request_id
-    snapshot.prompt_token_ids.extend(message.prompt_token_ids)
-    if message.prompt_logprobs:
-        snapshot.prompt_logprobs = _prompt_logprobs(message.prompt_logprobs)
-    by_index = {o.index: o for o in snapshot.outputs}
-    for delta in message.deltas:
-        output = by_index.get(delta.index)
-        if output is None:
-            output = by_index[delta.index] = CompletionOutput(delta.index, [], [])
-            snapshot.outputs.append(output)
-        output.token_ids.extend(delta.token_ids)
-        output.logprobs.extend(delta.logprobs)
-        if delta.top_logprobs:
-            output.top_logprobs = (output.top_logprobs or []) + [
-                from_message(e, TopLogprobs) for e in delta.top_logprobs
-            ]
-    for final in message.outputs:
-        if final.index in by_index:
-            snapshot.outputs.remove(by_index[final.index])
-        snapshot.outputs.append(_completion(final))
-    snapshot.outputs.sort(key=lambda o: o.index)

@@ -31,7 +31,8 @@ from rollout_engine.protocol import (
     SleepLevel,
     SleepMode,
 )
-from trainer_bridge.client import EngineClient, Prompt, per_prompt
+from trainer_bridge.client import EngineClient
+from trainer_bridge.client_messages import Prompt, per_prompt
 from trainer_bridge.transports import for_several_readers
 
 logger = logging.getLogger(__name__)

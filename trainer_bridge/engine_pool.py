@@ -32,9 +32,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import logging
-import threading
-import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
@@ -52,37 +49,12 @@ from rollout_engine.protocol import (
     SleepMode,
     UnavailableError,
 )
-from trainer_bridge.client import CallCancel, EngineClient, Prompt, per_prompt
+from trainer_bridge.client import CallCancel, EngineClient
+from trainer_bridge.client_messages import Prompt, per_prompt
+from trainer_bridge.pool_membership import PoolMember, PoolMembership
 from trainer_bridge.transports import for_several_readers
 
-logger = logging.getLogger(__name__)
-
 _MAX_REMEMBERED_PREFIXES = 100_000
-
-
-_STALE_PUSH = -1
-"""`PoolMember.weight_push` of an engine that lost the weights it was pushed (restarted)."""
-
-
-@dataclass
-class PoolMember:
-    """One engine of the pool, as the pool sees it."""
-
-    client: EngineClient
-    is_alive: bool = True
-    weight_push: int = 0
-    """The number of the last pool push this engine received in full (0: none, it serves its
-    checkpoint); it may generate only while this is the pool's latest push."""
-    weight_version: int | None = None
-    """The version it reported after that push (engines count versions on their own: one that
-    restarted counts from 0 again); None until weights are pushed."""
-    num_assigned_samples: int = 0
-    last_probe_s: float = 0.0
-    num_failures: int = 0
-
-    @property
-    def address(self) -> str:
-        return self.client.address
 
 
 @dataclass
@@ -111,22 +83,22 @@ class EnginePool:
         if not engines:
             raise ValueError("an EnginePool needs at least one engine address")
         client_options.setdefault("max_retries", 1)
-        self.members = [
-            PoolMember(e if isinstance(e, EngineClient) else EngineClient(e, **client_options))
-            for e in engines
-        ]
+        self.membership = PoolMembership(
+            [e if isinstance(e, EngineClient) else EngineClient(e, **client_options)
+             for e in engines],
+            probe_interval_s,
+        )
         self.prefix_tokens = prefix_tokens
-        self.probe_interval_s = probe_interval_s
         self._prefix_owner: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
-        self._lock = threading.Lock()
-        self._num_pushes = 0
-        """Weight pushes through the pool that reached at least one engine."""
-        self._sleep_level: SleepLevel | None = None
         self._threads = concurrent.futures.ThreadPoolExecutor(
             len(self.members), thread_name_prefix="engine-pool"
         )
         self.last_assignment: dict[int, str] = {}
         """Which engine answered each prompt of the last `generate` (prompt index -> address)."""
+
+    @property
+    def members(self) -> list[PoolMember]:
+        return self.membership.members
 
     @property
     def address(self) -> str:
@@ -161,8 +133,8 @@ class EnginePool:
         """One RequestOutput per prompt, in order, as `EngineClient.generate` returns; an
         engine dying mid-call costs its prompts a second run elsewhere, nothing more."""
         prompts, params = per_prompt(prompts, sampling_params)
-        self._probe_dead_members()
-        self._check_weight_versions()
+        self.membership.probe_dead()
+        self.membership.check_weight_versions()
         results: dict[int, RequestOutput] = {}
         self.last_assignment = {}
         pending = list(range(len(prompts)))
@@ -178,7 +150,8 @@ class EnginePool:
         other calls are cancelled, and its error is raised once all have settled."""
         calls = {}
         for member_index, indices in assignment.items():
-            call = _Call(self.members[member_index], indices, CallCancel(), self._num_pushes)
+            call = _Call(self.members[member_index], indices, CallCancel(),
+                         self.membership.num_pushes)
             future = self._threads.submit(
                 call.member.client.generate, [prompts[i] for i in indices],
                 [params[i] for i in indices], timeout, call.cancel,
@@ -192,7 +165,7 @@ class EnginePool:
             try:
                 outputs = future.result()
             except (UnavailableError, DeadlineExceededError) as exc:
-                self._take_out(call.member, exc)
+                self.membership.take_out(call.member, exc)
                 pending += call.indices
                 continue
             except Exception as exc:  # noqa: BLE001 - raised once every call has settled
@@ -204,7 +177,7 @@ class EnginePool:
             if failure is not None:
                 continue
             versions = [c.weight_version for o in outputs for c in o.outputs]
-            if not self._has_pool_weights(call, versions):
+            if not self.membership.has_pool_weights(call.member, call.weight_push, versions):
                 pending += call.indices
                 continue
             for index, output in zip(call.indices, outputs):
@@ -214,22 +187,6 @@ class EnginePool:
         if failure is not None:
             raise _naming_engine(*failure)
         return pending
-
-    def _has_pool_weights(self, call: _Call, weight_versions: list[int]) -> bool:
-        """Whether every answer (completion, score) came from the weights of the pool's
-        latest push; if the engine answered with another version though no push came in
-        between, it restarted and generates nothing until the next push reaches it."""
-        member = call.member
-        with self._lock:
-            if call.weight_push != self._num_pushes or not self._can_generate(member):
-                return False  # a push went by while it generated
-            expected = member.weight_version
-            if expected is None or all(v == expected for v in weight_versions):
-                return True
-            member.weight_push = _STALE_PUSH
-        logger.warning("engine %s answered with weight version other than %d (restarted?); "
-                       "its prompts run elsewhere", member.address, expected)
-        return False
 
     # ---------------------------------------------------------------------------- scoring
     def score(
@@ -254,8 +211,8 @@ class EnginePool:
         members = list(groups.values())
         # Load is counted in samples: one per scored sequence.
         loads = [SamplingParams(n=len(indices), max_tokens=1) for indices in members]
-        self._probe_dead_members()
-        self._check_weight_versions()
+        self.membership.probe_dead()
+        self.membership.check_weight_versions()
         results: dict[int, ScoreOutput] = {}
         pending = list(range(len(prompts)))
         while pending:
@@ -280,7 +237,8 @@ class EnginePool:
                 member.client.score, [sequences[i] for i in indices],
                 [prompt_lens[i] for i in indices], logprobs, timeout,
             )
-            calls[future] = (member_index, _Call(member, indices, CallCancel(), self._num_pushes))
+            call = _Call(member, indices, CallCancel(), self.membership.num_pushes)
+            calls[future] = (member_index, call)
         failed: list[int] = []
         failure: tuple[PoolMember, Exception] | None = None
         for future in concurrent.futures.as_completed(calls):
@@ -288,13 +246,14 @@ class EnginePool:
             try:
                 scores = future.result()
             except (UnavailableError, DeadlineExceededError) as exc:
-                self._take_out(call.member, exc)
+                self.membership.take_out(call.member, exc)
                 failed.append(member_index)
                 continue
             except Exception as exc:  # noqa: BLE001 - raised once every call has settled
                 failure = failure or (call.member, exc)
                 continue
-            if not self._has_pool_weights(call, [o.weight_version for o in scores]):
+            versions = [o.weight_version for o in scores]
+            if not self.membership.has_pool_weights(call.member, call.weight_push, versions):
                 failed.append(member_index)
                 continue
             results.update(zip(call.indices, scores))
@@ -306,17 +265,15 @@ class EnginePool:
         for member_index, indices in assignment.items():
             self._release(self.members[member_index], loads, indices)
 
-    def _can_generate(self, member: PoolMember) -> bool:
-        return member.is_alive and member.weight_push == self._num_pushes
-
     def _assign(self, prompts, params, indices: list[int]) -> dict[int, list[int]]:
         """Each prompt to the engine that owns its prefix, else to the least loaded one."""
         assignment: dict[int, list[int]] = collections.defaultdict(list)  # member -> prompts
-        with self._lock:
-            candidates = [i for i, m in enumerate(self.members) if self._can_generate(m)]
+        membership = self.membership
+        with membership.lock:
+            candidates = [i for i, m in enumerate(self.members) if membership.can_generate(m)]
             if not candidates:
                 raise UnavailableError(
-                    f"no engine of the pool can generate: {self._describe_members()}"
+                    f"no engine of the pool can generate: {membership.describe()}"
                 )
             # Prefix affinity yields to balance once an owner is a fair share ahead.
             num_samples = sum(params[i].n for i in indices)
@@ -337,7 +294,7 @@ class EnginePool:
         return assignment
 
     def _release(self, member: PoolMember, params, indices: list[int]) -> None:
-        with self._lock:
+        with self.membership.lock:
             member.num_assigned_samples -= sum(params[i].n for i in indices)
 
     def _prefix_key(self, prompt: Prompt) -> Hashable:
@@ -351,63 +308,7 @@ class EnginePool:
         while len(self._prefix_owner) > _MAX_REMEMBERED_PREFIXES:
             self._prefix_owner.popitem(last=False)
 
-    # ----------------------------------------------------------------- members in and out
-    def _take_out(self, member: PoolMember, exc: BaseException) -> None:
-        with self._lock:
-            if member.is_alive:
-                logger.warning("engine %s left the pool: %s", member.address, exc)
-            member.is_alive = False
-            member.num_failures += 1
-            member.last_probe_s = time.monotonic()
-
-    def _probe_dead_members(self) -> None:
-        """Health-check engines that left; one that serves again rejoins in the pool's state
-        (it generates only if it holds the weights of the pool's latest push)."""
-        now = time.monotonic()
-        for member in self.members:
-            if member.is_alive or now - member.last_probe_s < self.probe_interval_s:
-                continue
-            member.last_probe_s = now
-            try:
-                member.client.wait_until_ready(timeout=0.5)
-                info = member.client.info()
-                if self._sleep_level is not None:
-                    member.client.sleep(self._sleep_level)
-            except Exception as exc:  # noqa: BLE001 - still down: try again later
-                logger.debug("engine %s still down: %s", member.address, exc)
-                continue
-            with self._lock:
-                member.is_alive = True
-                self._forget_weights_if_restarted(member, info.weight_version)
-                current = self._can_generate(member)
-            logger.warning("engine %s rejoined the pool%s", member.address, "" if current
-                           else " (it generates once the next weight update reaches it)")
-
-    def _check_weight_versions(self) -> None:
-        """An engine restarted between calls (its version differs from the one it reported
-        after its last push) generates only after the next push reaches it."""
-        for member in self.members:
-            if not self._can_generate(member) or member.weight_version is None:
-                continue
-            try:
-                version = member.client.info().weight_version
-            except (UnavailableError, DeadlineExceededError) as exc:
-                self._take_out(member, exc)
-                continue
-            with self._lock:
-                self._forget_weights_if_restarted(member, version)
-
-    def _forget_weights_if_restarted(self, member: PoolMember, version: int) -> None:
-        if member.weight_version is not None and version != member.weight_version:
-            member.weight_push = _STALE_PUSH
-
-    def _describe_members(self) -> str:
-        return ", ".join(
-            f"{m.address} ({'alive' if m.is_alive else 'down'}"
-            f"{'' if m.weight_push == self._num_pushes else ', missed a weight push'})"
-            for m in self.members
-        )
-
+    # --------------------------------------------------------------- every engine at once
     def _broadcast(self, verb: str, *args: Any, **kwargs: Any) -> list[tuple[PoolMember, Any]]:
         """Call `verb` on every live engine at once and wait for all: (engine, its answer) for
         each that answered. Engines that fail to answer leave; any other error is raised,
@@ -420,35 +321,34 @@ class EnginePool:
         if failures:
             raise _naming_engine(*failures[0])
         if not answers:
-            raise UnavailableError(f"every engine failed {verb}: {self._describe_members()}")
+            raise UnavailableError(f"every engine failed {verb}: {self.membership.describe()}")
         return answers
 
     def _call_every_live(
         self, verb: str, *args: Any, **kwargs: Any
     ) -> tuple[list[tuple[PoolMember, Any]], list[tuple[PoolMember, EngineError]]]:
         """(answers, errors other than unavailability) of `verb` on every live engine."""
-        self._probe_dead_members()
-        live = [m for m in self.members if m.is_alive]
+        self.membership.probe_dead()
+        live = self.membership.live()
         if not live:
-            raise UnavailableError(f"no engine of the pool is alive: {self._describe_members()}")
+            raise UnavailableError(f"no engine of the pool is alive: {self.membership.describe()}")
         futures = {self._threads.submit(getattr(m.client, verb), *args, **kwargs): m for m in live}
         answers, failures = [], []
         for future, member in futures.items():
             try:
                 answers.append((member, future.result()))
             except (UnavailableError, DeadlineExceededError) as exc:
-                self._take_out(member, exc)
+                self.membership.take_out(member, exc)
             except EngineError as exc:
                 failures.append((member, exc))
         return answers, failures
 
-    # --------------------------------------------------------------- every engine at once
     def sleep(self, level: SleepLevel | int = 1, mode: SleepMode = "abort") -> int:
-        self._sleep_level = SleepLevel.parse(level)
+        self.membership.sleep_level = SleepLevel.parse(level)
         return sum(n for _, n in self._broadcast("sleep", level, mode))
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        self._sleep_level = None
+        self.membership.sleep_level = None
         self._broadcast("wake_up", tags)
 
     def release_kv_cache_memory(self) -> int:
@@ -469,29 +369,17 @@ class EnginePool:
         """
         weights = for_several_readers(weights, options.get("manifest"))
         answers, failures = self._call_every_live("update_weights", weights, **options)
-        with self._lock:
-            if answers:
-                self._num_pushes += 1
-            for member, version in answers:
-                member.weight_push = self._num_pushes
-                member.weight_version = version
+        self.membership.record_push(answers)
         return max(version for _, version in self._answered("update_weights", answers, failures))
 
     # ----------------------------------------------------------------------- introspection
     def info(self) -> EngineInfo:
         """The first live engine's facts (all serve the same model)."""
-        return self._first_live().client.info()
+        return self.membership.first_live().client.info()
 
     def memory_state(self) -> MemoryState:
         """The first live engine's memory state (every engine gets the same verbs)."""
-        return self._first_live().client.memory_state()
-
-    def _first_live(self) -> PoolMember:
-        self._probe_dead_members()
-        for member in self.members:
-            if member.is_alive:
-                return member
-        raise UnavailableError(f"no engine of the pool is alive: {self._describe_members()}")
+        return self.membership.first_live().client.memory_state()
 
 
 def _naming_engine(member: PoolMember, exc: Exception) -> Exception:

@@ -16,18 +16,13 @@ from rollout_engine.core.kv_cache_manager import KVCacheManager, cdiv
 from rollout_engine.core.kv_connector_scheduler import KVConnectorScheduler
 from rollout_engine.core.request import Request, RequestStatus
 from rollout_engine.core.scheduler_output import (
-    NO_ALLOWED_TOKEN_ID,
     ModelRunnerOutput,
-    NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
 )
-from rollout_engine.protocol import (
-    FinishReason,
-    InvalidRequestError,
-    OutOfBlocksError,
-    TopLogprobs,
-)
+from rollout_engine.core.step_budget import StepBudget, StepLimits
+from rollout_engine.core.stop_conditions import append_sampled_tokens
+from rollout_engine.protocol import FinishReason, InvalidRequestError, OutOfBlocksError
 
 if TYPE_CHECKING:
     from rollout_engine.core.structured_output import RequestGrammar
@@ -69,6 +64,12 @@ class Scheduler:
                 f"max_num_batched_tokens ({scheduler_config.max_num_batched_tokens}) must exceed "
                 f"2 * num_speculative_tokens ({self.num_draft_slots}); raise the token budget"
             )
+        self.step_limits = StepLimits(
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            long_prefill_token_threshold=scheduler_config.long_prefill_token_threshold,
+            num_draft_slots=self.num_draft_slots, max_model_len=max_model_len,
+            async_scheduling=self.async_scheduling,
+        )
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size, cache_config.enable_prefix_caching
         )
@@ -190,13 +191,13 @@ class Scheduler:
         self._finished_request_ids, self._preempted_between_steps = [], []
         if self.is_paused:
             return output  # nothing runs; the worker still hears of ended or frozen requests
-        budget = self.config.max_num_batched_tokens
+        step = StepBudget(self.step_limits, output)
         # Groups whose shared prompt is written by a step still in flight (async scheduling).
         in_flight_groups = {r.group_id for r in self.running if self._prompt_in_flight(r)}
         num_frozen = len(output.preempted_request_ids)
-        budget = self._schedule_running(output, budget)
+        self._schedule_running(step)
         if len(output.preempted_request_ids) == num_frozen:  # none preempted for room now
-            self._schedule_waiting(output, budget, in_flight_groups)
+            self._schedule_waiting(step, in_flight_groups)
         return output
 
     def update_from_output(
@@ -232,7 +233,12 @@ class Scheduler:
                 continue  # a prefill chunk short of the prompt's end yields no token
             if scheduled.needs_sample and self.async_scheduling:
                 request.num_output_placeholders -= 1
-            self._append_tokens(request, sampled, logprobs, top_logprobs)
+            reason = append_sampled_tokens(
+                request, sampled, logprobs, top_logprobs, weight_version=self.weight_version,
+                eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+            )
+            if reason is not None:
+                self._finish(request, reason)
             updated.append(request)
         if any(r.is_finished for r in updated):
             self.running = [r for r in self.running if not r.is_finished]
@@ -292,33 +298,30 @@ class Scheduler:
         return request
 
     # ------------------------------------------------------------------ internals
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, step: StepBudget) -> None:
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and step.num_tokens_left > 0:
             request = self.running[index]
-            num_new = self._num_new_tokens(request, budget)
+            num_new = step.num_new_tokens(request)
             if num_new <= 0:
                 index += 1
                 continue
             while not self.kv_cache_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()  # the newest running request
                 self._preempt(victim)
-                output.preempted_request_ids.append(victim.request_id)
+                step.output.preempted_request_ids.append(victim.request_id)
                 if victim is request:
-                    return budget
-            self._record(output, request, num_new)
-            budget -= num_new
+                    return
+            step.add(request, num_new, self.kv_cache_manager.get_block_ids(request.request_id))
             index += 1
-        return budget
 
-    def _schedule_waiting(
-        self, output: SchedulerOutput, budget: int, in_flight_groups: set[str]
-    ) -> None:
+    def _schedule_waiting(self, step: StepBudget, in_flight_groups: set[str]) -> None:
         held_back: list[Request] = []
         prefilling_groups = in_flight_groups | {
             r.group_id for r in self.running if self._is_prefilling_prompt(r)
         } | {r.group_id for r in self.kv_connector.loading_requests}
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and step.num_tokens_left > 0
+               and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             grammar = request.grammar
             if grammar is not None and (not grammar.is_ready or grammar.error is not None):
@@ -334,14 +337,14 @@ class Scheduler:
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             if request.wants_remote_kv:
-                started = self._start_kv_load(output, request, hit_blocks, num_hit_tokens)
+                started = self._start_kv_load(step.output, request, hit_blocks, num_hit_tokens)
                 if started is None:
                     break  # no room for its blocks
                 if started:
                     prefilling_groups.add(request.group_id)
                     continue
             num_computed = request.num_computed_tokens + num_hit_tokens
-            num_new = self._num_new_tokens(request, budget, num_computed=num_computed)
+            num_new = step.num_new_tokens(request, num_computed)
             if not self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks):
                 break
             self.waiting.popleft()
@@ -349,8 +352,7 @@ class Scheduler:
             self.num_prefix_hit_tokens += num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._record(output, request, num_new)
-            budget -= num_new
+            step.add(request, num_new, self.kv_cache_manager.get_block_ids(request.request_id))
             if self._is_prefilling_prompt(request):
                 prefilling_groups.add(request.group_id)
         self.waiting.extendleft(reversed(held_back))
@@ -398,88 +400,6 @@ class Scheduler:
             and request.num_steps_in_flight > 0
         )
 
-    def _num_new_tokens(self, request: Request, budget: int, num_computed: int | None = None) -> int:
-        computed = request.num_computed_tokens if num_computed is None else num_computed
-        if request.num_output_placeholders and not self._can_schedule_ahead(request):
-            return 0
-        num_new = request.num_tokens_with_spec + request.num_output_placeholders - computed
-        threshold = self.config.long_prefill_token_threshold
-        if threshold > 0:
-            num_new = min(num_new, threshold)
-        return min(
-            num_new,
-            budget,
-            # Keep one long prompt from eating the room that drafting needs.
-            self.config.max_num_batched_tokens - self.num_draft_slots,
-            self.max_model_len - computed,
-        )
-
-    def _can_schedule_ahead(self, request: Request) -> bool:
-        """Whether a request with an output in flight gets more work before it lands: not if
-        that output may be its last, nor if sampling needs its tokens on the host."""
-        params = request.sampling_params
-        num_outputs = request.num_output_tokens + request.num_output_placeholders
-        return (
-            request.num_output_placeholders == 1  # one step ahead: its input is that output
-            and num_outputs < params.max_tokens
-            and request.num_tokens + request.num_output_placeholders < self.max_model_len
-            and params.repetition_penalty == 1.0  # penalties and bad words read the output
-            and not params.any_output_penalty
-            and all(len(word) == 1 for word in request.bad_words_token_ids)
-            and request.grammar is None  # its mask needs the token in flight
-        )
-
-    def _record(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
-        """Write one request's share of the step (the worker's delta) and advance its ledger."""
-        start = request.num_computed_tokens
-        from_previous_step = start >= request.num_tokens
-        if from_previous_step:  # async: the input is the token the step in flight samples
-            assert num_new == 1 and start == request.num_tokens, request
-            num_spec = 0
-        else:
-            num_spec = max(0, start + num_new - request.num_tokens)
-            del request.spec_token_ids[num_spec:]  # drafts that did not fit are dropped
-        if request.num_tokens_on_worker == 0:  # new, or resumed after a preemption
-            output.new_requests.append(NewRequestData(
-                request_id=request.request_id,
-                prompt_token_ids=list(request.prompt_token_ids),
-                output_token_ids=list(request.output_token_ids),
-                sampling_params=request.sampling_params,
-                sample_index=request.sample_index,
-                bad_words_token_ids=request.bad_words_token_ids,
-                prompt_logprobs_start=request.prompt_logprobs_start,
-            ))
-            new_token_ids = []
-        else:
-            new_token_ids = request.all_token_ids[request.num_tokens_on_worker :]
-        request.num_tokens_on_worker = request.num_tokens
-        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-        new_block_ids = block_ids[request.num_blocks_on_worker :]
-        request.num_blocks_on_worker = len(block_ids)
-        needs_sample = start + num_new >= request.num_tokens
-        output.scheduled_requests.append(
-            ScheduledRequest(
-                request_id=request.request_id,
-                start_position=start,
-                num_tokens=num_new,
-                new_token_ids=new_token_ids,
-                new_block_ids=new_block_ids,
-                spec_token_ids=list(request.spec_token_ids),
-                needs_sample=needs_sample,
-                num_output_tokens=request.num_output_tokens + request.num_output_placeholders,
-                input_from_previous_step=from_previous_step,
-                num_preemptions=request.num_preemptions,
-            )
-        )
-        request.num_steps_in_flight += 1
-        if needs_sample and self.async_scheduling:
-            request.num_output_placeholders += 1
-        output.num_scheduled_tokens[request.request_id] = num_new
-        if num_spec:
-            output.scheduled_spec_decode_tokens[request.request_id] = list(request.spec_token_ids)
-        output.total_num_scheduled_tokens += num_new
-        request.num_computed_tokens = start + num_new
-
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop the KV, keep the tokens, go to the queue's front."""
         # Its step in flight (if any) still writes the freed blocks, but any step that reuses
@@ -493,58 +413,6 @@ class Scheduler:
         request.num_tokens_on_worker = request.num_blocks_on_worker = 0  # the worker drops it
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-
-    def _append_tokens(
-        self, request: Request, token_ids: list[int], logprobs: list[float] | None,
-        top_logprobs: list[TopLogprobs] | None = None,
-    ) -> None:
-        """Commit tokens one by one, up to the first that ends the request (the rest, accepted
-        drafts after a stop, are dropped)."""
-        for i, token_id in enumerate(token_ids):
-            if token_id == NO_ALLOWED_TOKEN_ID:  # its grammar dead-ended: nothing to append
-                request.is_dead_ended = True
-                self._finish(request, "abort")
-                return
-            request.append_output_token(token_id, logprobs[i] if logprobs else None,
-                                        top_logprobs[i] if top_logprobs else None)
-            request.record_weight_version(self.weight_version)
-            reason = self._stop_reason(request, token_id)
-            # A complete grammar allows only EOS: the request ends when it is sampled.
-            if request.grammar is not None and not request.grammar.accept(token_id):
-                reason = "abort"  # never sampled under its mask: a bug, not a hang
-            if reason is not None:
-                self._finish(request, reason)
-                return
-
-    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        """Why `token_id`, just appended, ends the request, if it does. Before `min_tokens`
-        tokens nothing but the length stops it (EOS and stop ids are masked there anyway).
-        A stop token ends it before stop strings are looked for (vLLM's order: its text is
-        not searched); the stop checker reads every other token (its text is the completion's).
-        """
-        params = request.sampling_params
-        checker = request.stop_checker
-        # A constrained request's stop token before min_tokens was let through by the sampler
-        # because its grammar allowed nothing else (vLLM's rule: a complete `choice`): it ends.
-        may_stop_on_token = (
-            request.num_output_tokens >= params.min_tokens or request.grammar is not None
-        )
-        if may_stop_on_token and (
-            token_id in params.stop_token_ids
-            or (not params.ignore_eos and token_id in self.eos_token_ids)
-        ):
-            if token_id in params.stop_token_ids:
-                request.stop_token_id = token_id
-            request.ended_by_stop_token = True
-            if checker is not None:
-                checker.accept_stop_token(token_id)
-            return "stop"
-        if checker is not None and checker.accept(token_id):
-            request.stop_str = checker.stop_string
-            return "stop"
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return "length"
-        return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED

@@ -1,6 +1,6 @@
-"""The server's wire state for Generate and GenerateBatch (rollout_engine.server.convert), and
-what the client rebuilds from its messages: top logprobs per delta and whole at the end,
-prompt logprobs once, stop strings and stop token ids, Score requests checked."""
+"""The server's wire messages for Generate and GenerateBatch (rollout_engine.server.convert),
+and what the client rebuilds from them: top logprobs per delta and whole at the end, prompt
+logprobs once, stop strings and stop token ids, Score requests checked."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ from rollout_engine.protocol import (
 )
 from rollout_engine.protocol.wire_codec import from_message
 from rollout_engine.server.convert import (
-    BatchStreamState,
-    GenerateStreamState,
+    batch_completions,
+    generate_response,
     score_request_from_proto,
     score_response,
 )
-from trainer_bridge.client import _apply_generate_response, _prompt_logprobs
+from trainer_bridge.client_messages import apply_generate_response as _apply_generate_response
+from trainer_bridge.client_messages import prompt_logprobs_from_proto as _prompt_logprobs
 
 PROMPT = [5, 6, 7]
 PROMPT_LOGPROBS = [None, TopLogprobs([6, 2], [-1.5, -0.5], [3, 1]),
@@ -38,13 +39,15 @@ def delta(index: int, token: int, **fields) -> CompletionOutput:
 
 
 def step_outputs() -> list[RequestOutput]:
-    """DELTA outputs of a prompt with two samples: prompt logprobs once, sample 1 stops on a
-    string at its second token, sample 0 on a stop token id at its third."""
+    """DELTA_THEN_WHOLE outputs of a prompt with two samples: prompt logprobs once, sample 1
+    stops on a string at its second token, sample 0 on a stop token id at its third; each
+    finished sample whole."""
     return [
         RequestOutput("g", PROMPT, [delta(0, 10), delta(1, 20)], prompt_logprobs=PROMPT_LOGPROBS),
-        RequestOutput("g", PROMPT, [delta(0, 11), delta(1, 21, finish_reason="stop",
+        RequestOutput("g", PROMPT, [delta(0, 11), whole(1, [20, 21], finish_reason="stop",
                                                         stop_str="</a>", text="hi")]),
-        RequestOutput("g", PROMPT, [delta(0, 12, finish_reason="stop", stop_token_id=12)]),
+        RequestOutput("g", PROMPT, [whole(0, [10, 11, 12], finish_reason="stop",
+                                          stop_token_id=12)]),
     ]
 
 
@@ -53,9 +56,12 @@ def whole(index: int, tokens: list[int], **fields) -> CompletionOutput:
                             top_logprobs=[top(t) for t in tokens], **fields)
 
 
+def messages_of(outputs: list[RequestOutput]) -> list[pb.GenerateResponse]:
+    return [generate_response("g", output, i == 0) for i, output in enumerate(outputs)]
+
+
 def test_deltas_carry_top_logprobs_and_the_end_carries_the_whole_completion():
-    state = GenerateStreamState(stream_deltas=True)
-    messages = [state.response(output) for output in step_outputs()]
+    messages = messages_of(step_outputs())
     first = messages[0]
     assert list(first.prompt_token_ids) == PROMPT
     assert _prompt_logprobs(first.prompt_logprobs) == PROMPT_LOGPROBS  # empty first entry: None
@@ -82,10 +88,10 @@ def test_deltas_carry_top_logprobs_and_the_end_carries_the_whole_completion():
 
 
 def test_without_logprobs_nothing_extra_travels():
-    state = GenerateStreamState(stream_deltas=True)
-    plain = [RequestOutput("g", PROMPT, [CompletionOutput(0, [t], [-0.5])]) for t in (10, 11)]
-    plain[1].outputs[0].finish_reason = "length"
-    messages = [state.response(output) for output in plain]
+    plain = [RequestOutput("g", PROMPT, [CompletionOutput(0, [10], [-0.5])]),
+             RequestOutput("g", PROMPT, [CompletionOutput(0, [10, 11], [-0.5, -0.5],
+                                                          finish_reason="length")])]
+    messages = messages_of(plain)
     assert not messages[0].prompt_logprobs and not messages[0].deltas[0].top_logprobs
     final = from_message(messages[1].outputs[0], CompletionOutput)
     assert final == CompletionOutput(0, [10, 11], [-0.5, -0.5], finish_reason="length")
@@ -93,18 +99,17 @@ def test_without_logprobs_nothing_extra_travels():
 
 
 def test_final_only_streams_send_the_prompt_logprobs_with_the_completions():
-    state = GenerateStreamState(stream_deltas=False)
     done = whole(0, [10, 11], finish_reason="length")
-    message = state.response(RequestOutput("g", PROMPT, [done], prompt_logprobs=PROMPT_LOGPROBS))
+    message = generate_response(
+        "g", RequestOutput("g", PROMPT, [done], prompt_logprobs=PROMPT_LOGPROBS), is_first=True)
     assert not message.deltas and from_message(message.outputs[0], CompletionOutput) == done
     assert _prompt_logprobs(message.prompt_logprobs) == PROMPT_LOGPROBS
 
 
 def test_batch_sends_the_prompt_logprobs_with_a_prompts_first_completion_only():
-    state = BatchStreamState(["b:0"])
     outputs = [whole(0, [10], finish_reason="length"), whole(1, [20], finish_reason="length")]
-    items = state.new_completions(RequestOutput("b:0", PROMPT, outputs,
-                                                prompt_logprobs=PROMPT_LOGPROBS))
+    items = batch_completions(0, RequestOutput("b:0", PROMPT, outputs,
+                                               prompt_logprobs=PROMPT_LOGPROBS))
     assert [len(item.prompt_logprobs) for item in items] == [len(PROMPT), 0]
     assert _prompt_logprobs(items[0].prompt_logprobs) == PROMPT_LOGPROBS
     assert [from_message(item.output, CompletionOutput) for item in items] == outputs
@@ -135,13 +140,3 @@ def test_score_request_and_response_round_trip():
     scores = [ScoreOutput([-0.5], [TopLogprobs([3], [-0.5], [4])], 2), ScoreOutput([-1.0, -2.0])]
     reply = score_response(scores)
     assert [from_message(o, ScoreOutput) for o in reply.outputs] == scores
-
-
-def test_the_end_of_a_stream_carries_the_text_of_every_delta():
-    state = GenerateStreamState(stream_deltas=True)
-    pieces = [CompletionOutput(0, [10], [-0.5], text=" the"),
-              CompletionOutput(0, [11], [-0.5], text=""),  # a character still split
-              CompletionOutput(0, [12], [-0.5], text=" é", finish_reason="length")]
-    messages = [state.response(RequestOutput("g", PROMPT, [p])) for p in pieces]
-    final = from_message(messages[-1].outputs[0], CompletionOutput)
-    assert final.text == " the é" and final.token_ids == [10, 11, 12]
