@@ -318,6 +318,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from rollout_engine.config import EngineConfig, ServerConfig
+    from rollout_engine.server.async_engine import AsyncEngine
     from rollout_engine.server.serve import run_server
 
     options = {k: getattr(args, k) for k in _SERVE_ENGINE_OPTIONS if getattr(args, k) is not None}
@@ -346,8 +347,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"rollout-engine serve: error: {exc}", file=sys.stderr)
         return 2
-    return run_server(_build_engine_off_this_thread(engine_config), server_config,
-                      model_name=args.model)
+    engine = AsyncEngine(_build_engine_off_this_thread(engine_config), server_config,
+                         model_name=args.model)
+    return run_server(engine, server_config)
 
 
 def _build_engine_off_this_thread(engine_config):

@@ -18,11 +18,13 @@ from rollout_engine.protocol import (
     RequestOutputKind,
     SamplingParams,
     ScoreOutput,
+    SleepLevel,
+    check_sleep_mode,
 )
 
 if TYPE_CHECKING:
     from memory import MemoryEventLog
-    from rollout_engine.protocol import EngineInfo, MemoryState, SleepMode
+    from rollout_engine.protocol import EngineInfo, MemoryState, PauseMode, SleepMode
     from rollout_engine.worker.weights.weight_update import (
         ManifestEntry,
         NamedTensors,
@@ -102,13 +104,22 @@ class LLM:
 
     # -- memory and weights: see LLMEngine for the semantics -----------------------------------
     def sleep(self, level: int = 1, mode: SleepMode = "abort") -> list[RequestOutput]:
+        """Release memory; the requests in flight are ended ("abort"), kept ("keep"), or first
+        run to completion ("wait"). Their final outputs are returned."""
+        level, mode = SleepLevel.parse(level), check_sleep_mode(mode)
+        if mode == "wait":
+            return self._finish_unfinished() + self.engine.sleep(level, "abort")
         return self.engine.sleep(level, mode)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         self.engine.wake_up(tags)
 
-    def pause_generation(self, mode: SleepMode = "abort", clear_cache: bool = True
+    def pause_generation(self, mode: PauseMode = "abort", clear_cache: bool = True
                          ) -> list[RequestOutput]:
+        """Stop scheduling; the requests in flight are ended ("abort"), kept ("keep"), or
+        first run to completion ("wait"). Their final outputs are returned."""
+        if check_sleep_mode(mode) == "wait":
+            return self._finish_unfinished() + self.engine.pause_generation("abort", clear_cache)
         return self.engine.pause_generation(mode, clear_cache)
 
     def resume_generation(self) -> None:
@@ -178,6 +189,26 @@ class LLM:
         """Step until the requests we gave up on have reported their abort."""
         while self.engine.has_unfinished_requests():
             self.engine.step()
+
+    def _finish_unfinished(self) -> list[RequestOutput]:
+        """Mode "wait": step until every unfinished prompt has finished; their final outputs,
+        in arrival order (a stream's every output, its final one last: no delta is lost)."""
+        if self.engine.is_paused():
+            raise EngineBusyError(
+                "generation is paused: its requests cannot drain; sleep with mode 'keep' or "
+                "'abort', or resume_generation() first"
+            )
+        group_ids = self.engine.unfinished_request_ids
+        kind_of = self.engine.output_processor.output_kind
+        streams = {gid for gid in group_ids if kind_of(gid) is not RequestOutputKind.CUMULATIVE}
+        drained: dict[str, list[RequestOutput]] = {gid: [] for gid in group_ids}
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.request_id in drained and (
+                    output.finished or output.request_id in streams
+                ):
+                    drained[output.request_id].append(output)
+        return [output for gid in group_ids for output in drained[gid]]
 
 
 def _per_prompt_params(

@@ -11,7 +11,6 @@ update holds only its buckets.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
 import os
@@ -27,6 +26,7 @@ import torch
 from memory.cuda_ipc import cuda_ipc_descriptor
 from memory.shm import SHM_DIR, unlink_all
 from protos import rollout_pb2 as pb
+from protos.weight_codec import copy_bytes, dtype_name, encode_stream_chunk
 from rollout_engine.protocol import WeightUpdateError
 
 TransportName = Literal["stream", "shm", "cuda_ipc"]
@@ -117,7 +117,7 @@ def manifest_request(manifest: WeightManifest, transport: TransportName) -> pb.U
     message = pb.WeightManifest(transport=TRANSPORTS[transport])
     for meta in manifest.tensors:
         message.tensors.add(
-            name=meta.name, shape=list(meta.shape), dtype=str(meta.dtype).removeprefix("torch.")
+            name=meta.name, shape=list(meta.shape), dtype=dtype_name(meta.dtype)
         )
     return pb.UpdateWeightsRequest(manifest=message)
 
@@ -270,16 +270,6 @@ class TensorReader:
         self._view = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def copy_bytes(target: torch.Tensor, source: torch.Tensor) -> None:
-    """`target[:] = source` for 1-D uint8 tensors. On CPU a plain memmove: torch's parallel
-    copy is no faster for one buffer and stalls when the machine's cores are oversubscribed."""
-    assert target.shape == source.shape and target.is_contiguous() and source.is_contiguous()
-    if target.is_cpu and source.is_cpu:
-        ctypes.memmove(target.data_ptr(), source.data_ptr(), source.numel())
-    else:
-        target.copy_(source, non_blocking=True)
-
-
 def _pieces_proto(manifest: WeightManifest, pieces: list[Piece]) -> list[pb.TensorPiece]:
     return [
         pb.TensorPiece(name=manifest.tensors[p.index].name, tensor_offset=p.tensor_offset,
@@ -317,32 +307,6 @@ def stream_requests(
         yield pb.UpdateWeightsRequest(commit=pb.CommitWeights())
     finally:
         reader.close()
-
-
-def encode_stream_chunk(pieces: list[pb.TensorPiece], parts: list, num_data_bytes: int) -> bytes:
-    """The wire bytes of `UpdateWeightsRequest(chunk=StreamChunk(pieces, data=b"".join(parts)))`,
-    with one copy of the data instead of the three that building the message would take."""
-    pieces_bytes = b"".join(
-        b"\x0a" + _varint(p.ByteSize()) + p.SerializeToString() for p in pieces
-    )  # StreamChunk.pieces: field 1, length-delimited
-    data_header = b"\x12" + _varint(num_data_bytes)  # StreamChunk.data: field 2
-    chunk_size = len(pieces_bytes) + len(data_header) + num_data_bytes
-    header = b"\x12" + _varint(chunk_size)  # UpdateWeightsRequest.chunk: field 2
-    return b"".join([header, pieces_bytes, data_header, *parts])
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def serialize_update_request(request: pb.UpdateWeightsRequest | bytes) -> bytes:
-    """Request serializer of UpdateWeights that passes pre-serialized chunks through."""
-    return request if isinstance(request, bytes) else request.SerializeToString()
 
 
 class SharedSlots:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rollout_engine.protocol import (
@@ -39,11 +40,15 @@ class Request:
     def __init__(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Sequence[int],
         sampling_params: SamplingParams,
         *,
         group_id: str | None = None,
         sample_index: int = 0,
+        grammar: RequestGrammar | None = None,
+        stop_checker: StopChecker | None = None,
+        bad_words_token_ids: Sequence[Sequence[int]] = (),
+        prompt_logprobs_start: int = 0,
     ) -> None:
         assert len(prompt_token_ids) > 0, "a request needs at least one prompt token"
         self.request_id = request_id
@@ -56,15 +61,17 @@ class Request:
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[TopLogprobs] = []
+        """With `SamplingParams.logprobs`: one entry per output token."""
         self.weight_versions: list[WeightVersionSpan] = []
         """Which weight version sampled which output tokens (spans over output indexes)."""
-        """With `SamplingParams.logprobs`: one entry per output token."""
-        self.prompt_logprobs: list[TopLogprobs | None] | None = None
-        """With `SamplingParams.prompt_logprobs` (sample 0 of a prompt computes them): per prompt
-        position, filled as its prompt's chunks land (position 0 has none)."""
-        self.prompt_logprobs_start = 0
-        """The first prompt position whose logprob is asked for (0: none asked). The prefix
-        cache may serve only the positions before the one that predicts it."""
+        self.prompt_logprobs_start = prompt_logprobs_start
+        """The first prompt position whose logprob is asked for (0: none asked; sample 0 of a
+        prompt asks for them). The prefix cache may serve only the positions before the one
+        that predicts it."""
+        self.prompt_logprobs: list[TopLogprobs | None] | None = (
+            [None] * len(prompt_token_ids) if prompt_logprobs_start else None
+        )
+        """Per prompt position, filled as its prompt's chunks land (position 0 has none)."""
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
@@ -86,19 +93,19 @@ class Request:
         """Prefill side: the handle of the KV saved when it finished (None if not saved)."""
         self.num_external_computed_tokens = 0
         """Positions whose KV came, or is coming, from a remote engine instead of a forward."""
-        self.grammar: RequestGrammar | None = None
-        """Structured outputs: the matcher of the request's constraint (set by the engine)."""
-        self.stop_checker: StopChecker | None = None
-        """Stop strings: decodes the output as it grows and finds them (set by the engine).
-        It reads every committed token but a stop token (`accept_stop_token`)."""
+        self.grammar = grammar
+        """Structured outputs: the matcher of the request's constraint."""
+        self.stop_checker = stop_checker
+        """Stop strings: decodes the output as it grows and finds them. It reads every
+        committed token but a stop token (`accept_stop_token`)."""
         self.stop_str: str | None = None
         self.stop_token_id: int | None = None
         """What ended the request, for `CompletionOutput.stop_reason`."""
         self.ended_by_stop_token = False
         """Ended by EOS or a `stop_token_ids` entry (vLLM's `stop_terminated`): that token's
         text is left out of the completion's unless `include_stop_str_in_output`."""
-        self.bad_words_token_ids: list[list[int]] = []
-        """`SamplingParams.bad_words` as token id sequences (the engine tokenizes them)."""
+        self.bad_words_token_ids = [list(word) for word in bad_words_token_ids]
+        """`SamplingParams.bad_words` as token id sequences (the input processor's)."""
         self.is_dead_ended = False
         """Structured outputs: ended ("abort") because its constraint allowed no token of the
         model's vocabulary at its next position; the engine raises GrammarDeadEndError."""

@@ -1,17 +1,32 @@
-"""Prompts in and text out: tokenizing and checking prompts, detokenizing completions, EOS ids."""
+"""Prompts in, request specs out: tokenizing and checking a prompt and its parameters,
+compiling its constraint; the model's tokenizer and EOS ids."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
-from rollout_engine.engine.detokenizer import CompletionText
 from rollout_engine.engine.prompt_text import check_prompt_length, check_text, max_prompt_chars
-from rollout_engine.protocol import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from rollout_engine.engine.request_spec import RequestSpec
+from rollout_engine.protocol import (
+    InvalidRequestError,
+    KVTransferError,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+
+if TYPE_CHECKING:
+    import concurrent.futures
+
+    from rollout_engine.core.structured_output import GrammarCompiler
+    from rollout_engine.engine.kv_connector import EngineKVConnector
 
 
-class Processor:
-    """The model directory's tokenizer (if any) and what the engine needs to know of it."""
+class InputProcessor:
+    """The model directory's tokenizer (if any) and what the engine needs to know of it; turns
+    a prompt and its parameters into a `RequestSpec`."""
 
     def __init__(self, model_dir: str, hf_config, max_model_len: int | None = None) -> None:
         self.tokenizer = _load_tokenizer(model_dir)
@@ -20,6 +35,41 @@ class Processor:
         self.max_model_len = max_model_len
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, max_model_len)
         """Longer text prompts cannot fit `max_model_len` tokens: refused untokenized."""
+        self._grammar_compiler: GrammarCompiler | None = None  # built at the first constraint
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        prompt_logprobs_from: int = 1,
+        kv_connector: EngineKVConnector | None = None,
+    ) -> RequestSpec:
+        """One prompt's request, checked and complete; InvalidRequestError (KVTransferError for
+        a KV transfer handle this engine cannot use) before any of it exists.
+        `prompt_logprobs_from`: with `prompt_logprobs`, the first prompt position asked for
+        (scoring asks for the completion's positions only: the prefix cache serves the rest)."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params must be a SamplingParams")
+        text, token_ids = self.encode(prompt, params.truncate_prompt_tokens)
+        self.check(params)
+        if params.kv_transfer_params is not None:
+            _check_kv_transfer(params, token_ids, kv_connector)
+        return RequestSpec(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=tuple(token_ids),
+            sampling_params=params,
+            output_kind=output_kind,
+            compiled_grammar=self._compile(params.structured_outputs),
+            bad_words_token_ids=tuple(tuple(w) for w in self.bad_words_token_ids(params)),
+            text_tokenizer=self.tokenizer if params.detokenize or params.stop else None,
+            prompt_logprobs_start=(
+                0 if params.prompt_logprobs is None
+                else max(1, min(prompt_logprobs_from, len(token_ids)))
+            ),
+        )
 
     def encode(
         self, prompt: str | Sequence[int], truncate_prompt_tokens: int | None = None
@@ -90,13 +140,52 @@ class Processor:
                 sequences.append(spaced)
         return [s for s in sequences if s and all(t < self.vocab_size for t in s)]
 
-    def completion_text(self, params: SamplingParams, prompt_token_ids: list[int]
-                        ) -> CompletionText | None:
-        """The text of one completion (its stop-string finder with it); None when nothing is
-        decoded (no tokenizer, or `detokenize=False` without stop strings)."""
-        if self.tokenizer is None or not (params.detokenize or params.stop):
-            return None
-        return CompletionText(self.tokenizer, prompt_token_ids, params)
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of structured-output constraints, built at the first one (llguidance
+        loads then)."""
+        if self._grammar_compiler is None:
+            from rollout_engine.core.structured_output import GrammarCompiler  # llguidance
+
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "structured outputs need the model's tokenizer, and this model has none"
+                )
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer, self.vocab_size, self.eos_token_ids
+            )
+        return self._grammar_compiler
+
+    @property
+    def uses_grammars(self) -> bool:
+        """A constraint came: requests may carry grammars."""
+        return self._grammar_compiler is not None
+
+    def shutdown(self) -> None:
+        """Stop the grammar compiling thread, if any."""
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.shutdown()
+
+    def _compile(self, constraint: StructuredOutputsParams | None
+                 ) -> concurrent.futures.Future | None:
+        """The constraint's matcher, compiling off the engine thread; a bad schema or regex is
+        refused here, at once."""
+        return None if constraint is None else self.grammars().compile(constraint)
+
+
+def _check_kv_transfer(params: SamplingParams, token_ids: list[int],
+                       kv_connector: EngineKVConnector | None) -> None:
+    if kv_connector is None:
+        raise KVTransferError(
+            "this engine takes no part in KV transfers; start it with --kv-role prefill, "
+            "decode or both (LLM(..., kv_role=...))"
+        )
+    kv_params = params.kv_transfer_params
+    if kv_params.do_remote_prefill and params.prompt_logprobs is not None:
+        raise InvalidRequestError(
+            "prompt_logprobs with a KV transfer handle: the prompt's KV is loaded, not "
+            "computed here; ask the prefill engine for the prompt logprobs"
+        )
+    kv_connector.check_request(kv_params, token_ids)
 
 
 def _constraint_texts(constraint: StructuredOutputsParams) -> Iterator[tuple[str, str]]:

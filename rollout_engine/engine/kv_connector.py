@@ -2,7 +2,8 @@
 half (`core.kv_connector_scheduler`, in the scheduler) and the bytes' half
 (`worker.kv_transfer`, over `worker.kv_transports`), called at three points of the step loop:
 
-- when a request arrives: is its handle usable here (`check_request`);
+- when a request arrives: is its handle usable here (`check_request`, from the input
+  processor);
 - before scheduling: write the transfers that arrived, or have failed prompts recomputed
   (`land_loads`); after scheduling: start the transfers the step asked for (`start`);
 - after a step lands: save the KV of prefills that finished for a remote decode
@@ -17,7 +18,7 @@ from collections.abc import Callable, Sequence
 from rollout_engine.config import EngineConfig
 from rollout_engine.core.scheduler import Scheduler
 from rollout_engine.core.scheduler_output import KVLoad
-from rollout_engine.protocol import KVTransferError, KVTransferParams
+from rollout_engine.protocol import KVTransferParams
 from rollout_engine.worker.kv_transfer.kv_connector_worker import KVTransfer, kv_layout_key
 from rollout_engine.worker.kv_transfer.kv_transports import GrpcFetcher, fetch_cuda_ipc
 from rollout_engine.worker.worker import Worker
@@ -49,14 +50,6 @@ class EngineKVConnector:
             worker.weights.fingerprint,
         )
         return cls(scheduler, transfer, lambda: worker.weights.weight_version)
-
-    @staticmethod
-    def refuse() -> None:
-        """What an engine without a `kv_role` answers to any KV transfer request."""
-        raise KVTransferError(
-            "this engine takes no part in KV transfers; start it with --kv-role prefill, "
-            "decode or both (LLM(..., kv_role=...))"
-        )
 
     def check_request(self, params: KVTransferParams, prompt_token_ids: Sequence[int]) -> None:
         self.transfer.check_request(params, prompt_token_ids, self._weight_version())

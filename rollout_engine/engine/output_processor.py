@@ -3,10 +3,11 @@
 Per step, the work done here is proportional to what the step produced: the prompts that got
 tokens are found from the step's updated requests, and a prompt's output copies only what its
 output kind asks for (nothing until it finishes for FINAL_ONLY, the new tokens for DELTA).
-Only CUMULATIVE outputs copy every token so far, at every step. Text likewise: a DELTA output
-decodes its new tokens, any other a sample's text once it finished (rollout_engine.engine.detokenizer).
+Only CUMULATIVE outputs copy every token so far, at every step. What a stream's consumer was
+handed already is known here and only here: a DELTA output has the samples with news, each
+finish once, the prompt logprobs once. Text likewise: a DELTA output decodes its new tokens,
+any other a sample's text once it finished (rollout_engine.engine.detokenizer).
 """
-
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -37,12 +38,12 @@ class RequestGroup:
     children: list[Request] = field(default_factory=list)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     num_sent_tokens: list[int] = field(default_factory=list)
-    """DELTA: per sample, how many of its tokens earlier outputs carried."""
+    """Streams (DELTA kinds): per sample, how many of its tokens earlier outputs carried."""
     num_sent_logprobs: list[int] = field(default_factory=list)
     sent_finished: list[bool] = field(default_factory=list)
     """Per sample, whether an earlier output already reported it finished."""
     sent_prompt_logprobs: bool = False
-    """DELTA: whether an earlier output carried the prompt logprobs."""
+    """Streams: whether an earlier output carried the prompt logprobs."""
     texts: list[CompletionText | None] = field(default_factory=list)
     """Per sample, its text (None: not decoded)."""
 
@@ -142,9 +143,14 @@ class OutputProcessor:
         return [self._output(self._groups[gid], weight_version) for gid in group_ids]
 
     def _output(self, group: RequestGroup, weight_version: int) -> RequestOutput:
-        outputs = [self._completion(group, j, weight_version) for j in range(len(group.children))]
+        samples = range(len(group.children))
+        prompt_finished = None
+        if group.output_kind in _STREAMED:
+            samples = [j for j in samples if self._has_news(group, j)]
+            prompt_finished = group.is_finished
+        outputs = [self._completion(group, j, weight_version) for j in samples]
         output = RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.prompt,
-                               self._prompt_logprobs(group))
+                               self._prompt_logprobs(group), prompt_finished)
         if output.finished:
             self.stats.on_finished(group.children)
             del self._groups[group.request_id]
@@ -153,13 +159,21 @@ class OutputProcessor:
         return output
 
     @staticmethod
+    def _has_news(group: RequestGroup, j: int) -> bool:
+        """Whether sample j has tokens, or a finish, that no earlier output carried."""
+        request = group.children[j]
+        return (request.num_output_tokens > group.num_sent_tokens[j]
+                or len(request.output_logprobs) > group.num_sent_logprobs[j]
+                or request.is_finished and not group.sent_finished[j])
+
+    @staticmethod
     def _prompt_logprobs(group: RequestGroup) -> list[TopLogprobs | None] | None:
         """The prompt's logprobs (sample 0 computes them) once all landed: in every output
-        but DELTA's, which carry them once."""
+        but a stream's, which carry them once."""
         first = group.children[0]
         if first.prompt_logprobs is None or first.num_prompt_logprobs_missing:
             return None
-        if group.output_kind is RequestOutputKind.DELTA:
+        if group.output_kind in _STREAMED:
             if group.sent_prompt_logprobs:
                 return None
             group.sent_prompt_logprobs = True
@@ -167,25 +181,19 @@ class OutputProcessor:
 
     def _completion(self, group: RequestGroup, j: int, weight_version: int) -> CompletionOutput:
         request = group.children[j]
-        newly_finished = request.is_finished and not group.sent_finished[j]
-        group.sent_finished[j] = request.is_finished
-        if newly_finished:
+        if request.is_finished and not group.sent_finished[j]:
             self.num_finished_tokens += request.num_output_tokens
-        first_token = first_logprob = 0
-        if group.output_kind is RequestOutputKind.DELTA:
-            first_token, first_logprob = group.num_sent_tokens[j], group.num_sent_logprobs[j]
-            group.num_sent_tokens[j] = request.num_output_tokens
-            group.num_sent_logprobs[j] = len(request.output_logprobs)
+        group.sent_finished[j] = request.is_finished
+        first_token, first_logprob = self._first_unsent(group, j)
         token_ids = request.output_token_ids[first_token:]
         self.num_token_ids_copied += len(token_ids)
         params = request.sampling_params
-        text = self._text(group, j, has_news=bool(token_ids) or newly_finished)
         return CompletionOutput(
             index=request.sample_index,
             token_ids=token_ids,
             logprobs=request.output_logprobs[first_logprob:],
             finish_reason=request.finish_reason,
-            text=text,
+            text=self._text(group, j),
             weight_version=weight_version,
             kv_transfer_params=request.kv_transfer_handle,
             top_logprobs=(request.output_top_logprobs[first_token:]
@@ -198,7 +206,21 @@ class OutputProcessor:
         )
 
     @staticmethod
-    def _text(group: RequestGroup, j: int, has_news: bool) -> str:
+    def _first_unsent(group: RequestGroup, j: int) -> tuple[int, int]:
+        """(first token, first logprob) of sample j that this output carries: for streams,
+        those no earlier output carried (DELTA_THEN_WHOLE: all, once it finished); 0 else."""
+        if group.output_kind not in _STREAMED:
+            return 0, 0
+        request = group.children[j]
+        first = (group.num_sent_tokens[j], group.num_sent_logprobs[j])
+        group.num_sent_tokens[j] = request.num_output_tokens
+        group.num_sent_logprobs[j] = len(request.output_logprobs)
+        if group.output_kind is RequestOutputKind.DELTA_THEN_WHOLE and request.is_finished:
+            return 0, 0
+        return first
+
+    @staticmethod
+    def _text(group: RequestGroup, j: int) -> str:
         """Sample j's text in this output: for DELTA the text new since its previous output,
         else all of it once it finished (decoded then, once)."""
         request = group.children[j]
@@ -206,10 +228,12 @@ class OutputProcessor:
         if completion_text is None or not request.sampling_params.detokenize:
             return ""
         if group.output_kind is RequestOutputKind.DELTA:
-            if not has_news:
-                return ""
             return completion_text.delta(request.output_token_ids, request.is_finished,
                                          request.ended_by_stop_token)
         if not request.is_finished:
             return ""
         return completion_text.final(request.output_token_ids, request.ended_by_stop_token)
+
+
+_STREAMED = frozenset({RequestOutputKind.DELTA, RequestOutputKind.DELTA_THEN_WHOLE})
+"""The kinds whose outputs carry only what earlier outputs of the prompt did not."""

@@ -64,6 +64,15 @@ def dead_end_error(
     )
 
 
+def stall_error(group_ids: Sequence[str]) -> StepFailedError:
+    """No request could make progress (a bug): the prompts `group_ids` were ended rather than
+    left waiting forever."""
+    return StepFailedError(
+        f"the scheduler made no progress on {len(group_ids)} prompts; they were ended",
+        request_ids=list(group_ids),
+    )
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """CUDA's OutOfMemoryError, or an allocator failure worded as one."""
     import torch

@@ -69,6 +69,7 @@ from rollout_engine.protocol.state import (  # noqa: F401
     WEIGHTS_TAG,
     EngineInfo,
     MemoryState,
+    PauseMode,
     SleepLevel,
     SleepMode,
     TagMemoryState,

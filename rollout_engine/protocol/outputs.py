@@ -17,12 +17,15 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0
     """Every output has every token so far: each costs what was generated so far."""
     DELTA = 1
-    """Every output has the tokens (and logprobs) and the text new since the previous one, for
-    every sample (streams; vLLM's): text a stop string could still cut comes once the sample
-    finished, with its finish reason."""
+    """Every output has the tokens (and logprobs) and the text new since the previous one, of
+    the samples that have any, or that finished since (streams; vLLM's): text a stop string
+    could still cut comes once the sample finished, with its finish reason."""
     FINAL_ONLY = 2
     """One output, when every sample has finished, with all of them (`LLM.generate`,
     GenerateBatch)."""
+    DELTA_THEN_WHOLE = 3
+    """As DELTA, without text, while a sample runs; the output that finishes it has it whole
+    (every token, logprob and its text), as a gRPC Generate stream's last message does."""
 
 @dataclass
 class Logprob:
@@ -119,7 +122,12 @@ class RequestOutput:
     prompt_logprobs: list[TopLogprobs | None] | None = None
     """With `SamplingParams.prompt_logprobs` set: per prompt position, the logprobs of the
     prompt's token there (None for the first); in the first output of a stream."""
+    prompt_finished: bool | None = field(default=None, compare=False)
+    """Set on DELTA outputs, which leave out the samples without news: whether every sample
+    of the prompt has finished. None: `outputs` has every sample and tells."""
 
     @property
     def finished(self) -> bool:
+        if self.prompt_finished is not None:
+            return self.prompt_finished
         return all(o.finished for o in self.outputs)

@@ -22,10 +22,15 @@ MEMORY_TAGS: tuple[str, ...] = (WEIGHTS_TAG, KV_CACHE_TAG)
 """The engine's memory pools, in the order they are created and woken."""
 
 SleepMode = Literal["abort", "wait", "keep"]
-"""What sleep and pause do to in-flight requests (vLLM's modes): end them with finish reason
-"abort", drain them ("wait"), or freeze them ("keep"): they resume where they were, their KV
-recomputed from their tokens unless a pause keeps it (`clear_cache=False`)."""
+"""What sleep does to in-flight requests (vLLM's modes): end them with finish reason "abort",
+drain them ("wait"), or freeze them ("keep"): they resume where they were, their KV
+recomputed from their tokens."""
+PauseMode = Literal["abort", "wait", "keep"]
+"""What `pause_generation` does to in-flight requests (vLLM's `PauseMode`): the same three, a
+kept request's KV staying unless the pause clears the cache (`clear_cache=False`)."""
 SLEEP_MODES: tuple[str, ...] = ("abort", "wait", "keep")
+"""The modes of sleep and of pause, which are the same three."""
+
 
 class SleepLevel(enum.IntEnum):
     """How deeply the engine sleeps (vLLM's levels)."""
@@ -50,6 +55,7 @@ class SleepLevel(enum.IntEnum):
 
 
 def check_sleep_mode(mode: object) -> SleepMode:
+    """`mode` as a sleep's or a pause's mode; InvalidRequestError naming the three."""
     if mode not in SLEEP_MODES:
         raise InvalidRequestError(f"mode must be 'abort', 'wait' or 'keep', got {mode!r}")
     return mode  # type: ignore[return-value]

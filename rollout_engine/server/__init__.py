@@ -1,4 +1,5 @@
-"""The gRPC server: servicer, wire conversion, weight receiving, the engine thread, admission.
+"""The server: one front door to the engine (`AsyncEngine`: the engine thread, admission) and
+the protocols over it: gRPC (servicer, wire conversion, weight receiving) and HTTP (`http/`).
 
 Only this package (and `trainer_bridge`) imports the generated `protos` stubs.
 """

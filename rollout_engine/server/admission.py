@@ -20,31 +20,24 @@ class Admission:
         self.max_n = max_n
         self.num_inflight_requests = 0
 
-    def admit(self, params: Sequence[SamplingParams]) -> _Admitted:
-        """`async with admission.admit(params):` holds one unit per sample of these prompts
-        (one SamplingParams per prompt) for the call's lifetime."""
+    def acquire(self, params: Sequence[SamplingParams]) -> int:
+        """Hold one unit per sample of these prompts (one SamplingParams per prompt); the units
+        held, to give back with `release` when the call ends."""
         for p in params:
             if p.n > self.max_n:
                 raise InvalidRequestError(
                     f"n={p.n} samples per prompt exceeds this server's limit of {self.max_n}; "
                     "ask for fewer, or start the server with a larger --max-n"
                 )
-        return _Admitted(self, sum(p.n for p in params))
-
-
-class _Admitted:
-    def __init__(self, admission: Admission, num_requests: int) -> None:
-        self._admission, self._num_requests = admission, num_requests
-
-    async def __aenter__(self) -> None:
-        admission, limit = self._admission, self._admission.max_inflight_requests
-        if admission.num_inflight_requests + self._num_requests > limit:
+        num_requests, limit = sum(p.n for p in params), self.max_inflight_requests
+        if self.num_inflight_requests + num_requests > limit:
             raise AdmissionError(
                 f"the server is at its limit of {limit} in-flight requests (samples) "
-                f"({admission.num_inflight_requests} running, {self._num_requests} asked); "
+                f"({self.num_inflight_requests} running, {num_requests} asked); "
                 "retry later or start the server with a larger --max-inflight-requests"
             )
-        admission.num_inflight_requests += self._num_requests
+        self.num_inflight_requests += num_requests
+        return num_requests
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._admission.num_inflight_requests -= self._num_requests
+    def release(self, num_requests: int) -> None:
+        self.num_inflight_requests -= num_requests

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 
 import torch
 
 from protos import rollout_pb2 as pb
+from protos.weight_codec import DTYPES
 from rollout_engine.engine.scoring import check_score_request
 from rollout_engine.protocol import (
     CompletionOutput,
@@ -21,14 +21,6 @@ from rollout_engine.protocol import (
 )
 from rollout_engine.protocol.wire_codec import from_message, to_message
 
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64",
-        "bool", "float8_e4m3fn", "float8_e5m2",
-    )
-    if hasattr(torch, name)
-}
 # Completions per GenerateBatch message at most; messages also stay under a byte budget.
 _MAX_COMPLETIONS_PER_MESSAGE = 256
 _MAX_MESSAGE_PAYLOAD_BYTES = 4 * 1024 * 1024
@@ -112,98 +104,38 @@ def score_response(outputs: list[ScoreOutput]) -> pb.ScoreResponse:
     return pb.ScoreResponse(outputs=[to_message(o, pb.ScoreOutput()) for o in outputs])
 
 
-class GenerateStreamState:
-    """What one Generate stream has sent so far. The engine hands it DELTA outputs (or one
-    FINAL_ONLY output); a sample's tokens and text pieces are gathered here so that its final
-    message carries the whole completion, at a cost per step of what the step produced."""
-
-    def __init__(self, stream_deltas: bool) -> None:
-        self.stream_deltas = stream_deltas
-        self._sent: dict[int, CompletionOutput] = {}
-        """Per sample: its tokens, logprobs and top logprobs streamed so far."""
-        self._texts: dict[int, list[str]] = {}
-        """Per sample: its text's pieces so far (deltas carry none on the wire)."""
-        self._finished: set[int] = set()
-        self._sent_prompt = False
-        self._sent_prompt_logprobs = False
-
-    def response(self, output: RequestOutput) -> pb.GenerateResponse | None:
-        """The message for this step's output, or None when nothing is new."""
-        message = pb.GenerateResponse(request_id=output.request_id)
-        if not self._sent_prompt:
-            message.prompt_token_ids.extend(output.prompt_token_ids)
-        if output.prompt_logprobs is not None and not self._sent_prompt_logprobs:
-            message.prompt_logprobs.extend(prompt_logprobs_to_proto(output.prompt_logprobs))
-            self._sent_prompt_logprobs = True
-        for completion in output.outputs:
-            if completion.index in self._finished:
-                continue
-            if completion.finished:
-                self._finished.add(completion.index)
-                message.outputs.append(completion_to_proto(self._whole(completion)))
-                continue
-            if completion.text:
-                self._texts.setdefault(completion.index, []).append(completion.text)
-            if self.stream_deltas and completion.token_ids:
-                delta = message.deltas.add(index=completion.index,
-                                           token_ids=completion.token_ids,
-                                           logprobs=completion.logprobs)
-                for entry in completion.top_logprobs or ():
-                    to_message(entry, delta.top_logprobs.add())
-                self._append(completion)
-        if (self._sent_prompt and not message.deltas and not message.outputs
-                and not message.prompt_logprobs):
-            return None
-        self._sent_prompt = True
-        return message
-
-    def _append(self, delta: CompletionOutput) -> None:
-        sent = self._sent.setdefault(delta.index, CompletionOutput(delta.index, [], []))
-        sent.token_ids += delta.token_ids
-        sent.logprobs += delta.logprobs
-        if delta.top_logprobs is not None:
-            sent.top_logprobs = (sent.top_logprobs or []) + delta.top_logprobs
-
-    def _whole(self, last: CompletionOutput) -> CompletionOutput:
-        """The finished sample, whole: what was streamed, then its last tokens."""
-        pieces = self._texts.pop(last.index, None)
-        if pieces is not None:
-            last = dataclasses.replace(last, text="".join(pieces) + last.text)
-        sent = self._sent.pop(last.index, None)
-        if sent is None:
-            return last
-        top_logprobs = last.top_logprobs
-        if sent.top_logprobs is not None:
-            top_logprobs = sent.top_logprobs + (top_logprobs or [])
-        return dataclasses.replace(last, token_ids=sent.token_ids + last.token_ids,
-                                   logprobs=sent.logprobs + last.logprobs,
-                                   top_logprobs=top_logprobs)
+def generate_response(request_id: str, output: RequestOutput, is_first: bool
+                      ) -> pb.GenerateResponse:
+    """One Generate stream message from the engine's output (DELTA_THEN_WHOLE, or FINAL_ONLY
+    without deltas): the prompt with the first, a delta per sample that ran on, and the whole
+    completion of each that finished."""
+    message = pb.GenerateResponse(request_id=request_id)
+    if is_first:
+        message.prompt_token_ids.extend(output.prompt_token_ids)
+    if output.prompt_logprobs is not None:
+        message.prompt_logprobs.extend(prompt_logprobs_to_proto(output.prompt_logprobs))
+    for completion in output.outputs:
+        if completion.finished:
+            message.outputs.append(completion_to_proto(completion))
+            continue
+        delta = message.deltas.add(index=completion.index, token_ids=completion.token_ids,
+                                   logprobs=completion.logprobs)
+        for entry in completion.top_logprobs or ():
+            to_message(entry, delta.top_logprobs.add())
+    return message
 
 
-class BatchStreamState:
-    """What one GenerateBatch stream has sent: finished completions per prompt."""
-
-    def __init__(self, request_ids: list[str]) -> None:
-        self._prompt_index = {rid: i for i, rid in enumerate(request_ids)}
-        self._sent: dict[str, set[int]] = {rid: set() for rid in request_ids}
-
-    def new_completions(self, output: RequestOutput) -> list[pb.BatchCompletion]:
-        sent = self._sent[output.request_id]
-        completions = []
-        for completion in output.outputs:
-            if completion.finished and completion.index not in sent:
-                item = pb.BatchCompletion(
-                    prompt_index=self._prompt_index[output.request_id],
-                    output=completion_to_proto(completion),
-                )
-                if not sent:
-                    item.prompt_token_ids.extend(output.prompt_token_ids)
-                    if output.prompt_logprobs is not None:
-                        entries = prompt_logprobs_to_proto(output.prompt_logprobs)
-                        item.prompt_logprobs.extend(entries)
-                sent.add(completion.index)
-                completions.append(item)
-        return completions
+def batch_completions(prompt_index: int, output: RequestOutput) -> list[pb.BatchCompletion]:
+    """A prompt's finished completions (its FINAL_ONLY output); the first carries the prompt."""
+    completions = []
+    for completion in output.outputs:
+        item = pb.BatchCompletion(prompt_index=prompt_index, output=completion_to_proto(completion))
+        if not completions:
+            item.prompt_token_ids.extend(output.prompt_token_ids)
+            if output.prompt_logprobs is not None:
+                item.prompt_logprobs.extend(prompt_logprobs_to_proto(output.prompt_logprobs))
+        completions.append(item)
+    return completions
 
 
 def batch_responses(completions: list[pb.BatchCompletion]) -> Iterator[pb.GenerateBatchResponse]:

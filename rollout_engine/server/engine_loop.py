@@ -1,4 +1,4 @@
-"""The engine thread: owns the LLMEngine, runs commands between steps, streams outputs back."""
+"""The engine thread, private to `AsyncEngine`: runs commands between steps, streams outputs."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from rollout_engine.protocol import (
     EngineError,
     EngineSleepingError,
     InternalError,
+    PauseMode,
     RequestOutput,
     RequestOutputKind,
     SamplingParams,
@@ -37,10 +38,10 @@ PauseState = Literal["running", "draining", "paused"]
 
 
 class OutputSink:
-    """Where the engine thread delivers one gRPC call's outputs: an asyncio queue.
+    """Where the engine thread delivers one call's outputs: an asyncio queue.
 
     `output_kind` is what the call's prompts are added with: FINAL_ONLY costs the engine and
-    the event loop nothing until a prompt finishes; DELTA streams carry only new tokens.
+    the event loop nothing until a prompt finishes; streams (DELTA kinds) carry only news.
     """
 
     def __init__(self, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
@@ -97,14 +98,16 @@ class _HeldAdd:
 
 
 class EngineLoop:
-    """Every engine call happens on this thread; handlers talk to it through `call`.
+    """Every engine call happens on this thread; `AsyncEngine` talks to it through `call`. The
+    server's "wait" drain (a sleep or pause once the prompts in flight finished) lives here,
+    once: the engine itself is asked to sleep or pause with "abort" or "keep" only.
 
     A failed step ends the prompts it scheduled (`LLMEngine.step`); their calls get the
     step's error as their status, and every other call goes on.
     """
 
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
-        self.engine = engine
+        self._engine = engine
         self._loop = loop
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
             queue.SimpleQueue()
@@ -174,21 +177,21 @@ class EngineLoop:
         ended, kept or drained."""
         if mode == "wait":
             drain = await self._after_drain(
-                _Drain(functools.partial(self.engine.sleep, level, mode="abort"), "sleep"))
+                _Drain(functools.partial(self._engine.sleep, level, mode="abort"), "sleep"))
             return len(drain.request_ids)
-        return await self._end_or_keep(functools.partial(self.engine.sleep, level, mode=mode),
+        return await self._end_or_keep(functools.partial(self._engine.sleep, level, mode=mode),
                                        mode)
 
-    async def pause(self, mode: SleepMode, clear_cache: bool = True) -> PauseResult:
+    async def pause(self, mode: PauseMode, clear_cache: bool = True) -> PauseResult:
         """Pause generation as `sleep` does its memory. During a "wait" drain generation reads
         as paused and new prompts are held (they queue for the resume once paused); a resume
         meanwhile cancels the pause (see `_Drain`)."""
         if mode == "wait":
             drain = await self._after_drain(_Drain(
-                functools.partial(self.engine.pause_generation, "abort", clear_cache), "pause"))
+                functools.partial(self._engine.pause_generation, "abort", clear_cache), "pause"))
             return PauseResult(len(drain.request_ids), is_paused=drain.then is not None)
         num_requests = await self._end_or_keep(
-            functools.partial(self.engine.pause_generation, mode, clear_cache), mode)
+            functools.partial(self._engine.pause_generation, mode, clear_cache), mode)
         return PauseResult(num_requests, is_paused=True)
 
     async def resume(self) -> None:
@@ -209,7 +212,7 @@ class EngineLoop:
     def _keep_while(self, freeze: Callable[[], Any]) -> int:
         """On the engine thread: `freeze()` (a sleep or pause in "keep" mode); the prompts kept."""
         freeze()
-        return self.engine.num_unfinished_requests
+        return self._engine.num_unfinished_requests
 
     async def _after_drain(self, drain: _Drain) -> _Drain:
         """Begin `drain` on the engine thread; it, once answered."""
@@ -220,13 +223,13 @@ class EngineLoop:
     def counters(self) -> dict[str, int]:
         return {
             "num_requests_total": self.num_requests_total,
-            "num_generated_tokens_total": self.engine.output_processor.num_finished_tokens,
+            "num_generated_tokens_total": self._engine.output_processor.num_finished_tokens,
         }
 
     # ------------------------------------------------------------------ on the engine thread
     def _main(self) -> None:
         try:
-            device = self.engine.device
+            device = self._engine.device
             if device.type == "cuda":  # launches and syncs go to the engine's GPU (cuda:N)
                 torch.cuda.set_device(device)
             self._run()
@@ -247,15 +250,15 @@ class EngineLoop:
         # A paused engine, or one asleep with requests kept, waits for commands (resume, wake)
         # instead of stepping in vain.
         while not self._is_stopping:
-            self._run_commands(block=not self.engine.can_make_progress())
-            if not self._is_stopping and self.engine.can_make_progress():
+            self._run_commands(block=not self._engine.can_make_progress())
+            if not self._is_stopping and self._engine.can_make_progress():
                 self._step()
             self._finish_drains()
 
     def _step(self) -> None:
         self._busy_since_s = time.monotonic()
         try:
-            outputs = self.engine.step()
+            outputs = self._engine.step()
         except BaseException as exc:  # noqa: BLE001 - a failed step must not take the server down
             self._fail(exc)
             return
@@ -339,11 +342,11 @@ class EngineLoop:
             for i, (request_id, prompt, sampling_params) in enumerate(requests):
                 options = {} if prompt_logprobs_from is None else {
                     "prompt_logprobs_from": prompt_logprobs_from[i]}
-                self.engine.add_request(request_id, prompt, sampling_params, sink.output_kind,
+                self._engine.add_request(request_id, prompt, sampling_params, sink.output_kind,
                                         **options)
                 added.append(request_id)
         except Exception:
-            self.engine.abort_request(added)
+            self._engine.abort_request(added)
             raise
         for request_id in added:
             self._sinks[request_id] = sink
@@ -372,7 +375,7 @@ class EngineLoop:
             if aborted & {request_id for request_id, _, _ in add.requests}:
                 add.done.cancel()  # its caller has gone; never added
         self._held = [add for add in self._held if not add.done.cancelled()]
-        self.engine.abort_request(request_ids)
+        self._engine.abort_request(request_ids)
 
     def _call_ending_requests(self, fn: Callable[[], list[RequestOutput]]) -> int:
         outputs = fn() or []
@@ -380,13 +383,13 @@ class EngineLoop:
         return len(outputs)
 
     def _begin_drain(self, drain: _Drain) -> None:
-        if self.engine.is_paused():  # the caller waits on `done`: it gets the error there
+        if self._engine.is_paused():  # the caller waits on `done`: it gets the error there
             drain.done.set_exception(EngineBusyError(
                 f"generation is paused: its requests cannot drain before the {drain.what}; use "
                 "mode 'keep' or 'abort', or resume first"
             ))
             return
-        drain.request_ids = set(self.engine.unfinished_request_ids)
+        drain.request_ids = set(self._engine.unfinished_request_ids)
         self._drains.append(drain)
         self._finish_drains()
 
@@ -396,7 +399,7 @@ class EngineLoop:
         while self._drains:
             drain = self._drains[0]
             if not drain.done.cancelled() and (
-                drain.request_ids & set(self.engine.unfinished_request_ids)
+                drain.request_ids & set(self._engine.unfinished_request_ids)
             ):
                 break
             self._drains.pop(0)
@@ -416,13 +419,13 @@ class EngineLoop:
         for drain in self._drains:
             if drain.what == "pause":
                 drain.then = None
-        self.engine.resume_generation()
+        self._engine.resume_generation()
         self._finish_drains()
 
     def _pause_state(self) -> PauseState:
         """"paused" (nothing is scheduled), "draining" (a "wait" pause waits for its prompts;
         new ones are held) or "running"; a sleep's drain is no pause (it refuses new ones)."""
-        if self.engine.is_paused():
+        if self._engine.is_paused():
             return "paused"
         return "draining" if self._is_draining_to_pause() else "running"
 
@@ -453,7 +456,7 @@ class EngineLoop:
         if request_ids is None:
             request_ids = list(self._sinks)
             try:
-                self.engine.abort_request(self.engine.unfinished_request_ids)
+                self._engine.abort_request(self._engine.unfinished_request_ids)
             except Exception:
                 logger.exception("abort after a failed step failed too")
         error = exc if isinstance(exc, EngineError) else StepFailedError(

@@ -1,5 +1,5 @@
 """The server process: the RolloutEngine gRPC service, health and reflection, the optional HTTP
-front-end (`vllm serve`'s API) on the same event loop, engine loop and admission, and their
+front-end (`vllm serve`'s API) on the same event loop, both over one `AsyncEngine`, and their
 lifetime."""
 
 from __future__ import annotations
@@ -16,17 +16,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos import rollout_pb2 as pb
+from protos.weight_codec import decode_update_request
 from rollout_engine.protocol import SERVICE_NAME
-from rollout_engine.server.admission import Admission
+from rollout_engine.server.async_engine import AsyncEngine
 from rollout_engine.server.auth import BearerTokenInterceptor
-from rollout_engine.server.chunk_decoding import decode_update_request
-from rollout_engine.server.engine_loop import EngineLoop
 from rollout_engine.server.servicer import RolloutEngineServicer
 from rollout_engine.server.status import safe_deserializer
 
 if TYPE_CHECKING:
     from rollout_engine.config import ServerConfig
-    from rollout_engine.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 _HEALTH_INTERVAL_S = 0.2
@@ -59,10 +57,8 @@ def add_rollout_service(servicer: RolloutEngineServicer, server) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-def build_server(engine_loop: EngineLoop, config: ServerConfig,
-                 admission: Admission | None = None):
-    """A grpc.aio server with the service, health and reflection; not yet bound or started.
-    `admission`: the limit it shares with the HTTP front-end (None: one of its own)."""
+def build_server(engine: AsyncEngine, config: ServerConfig):
+    """A grpc.aio server with the service, health and reflection; not yet bound or started."""
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -70,7 +66,7 @@ def build_server(engine_loop: EngineLoop, config: ServerConfig,
     ]
     interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    add_rollout_service(RolloutEngineServicer(engine_loop, config, admission), server)
+    add_rollout_service(RolloutEngineServicer(engine), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -79,41 +75,40 @@ def build_server(engine_loop: EngineLoop, config: ServerConfig,
     return server, health_servicer
 
 
-async def serve(engine: LLMEngine, config: ServerConfig, model_name: str = "") -> None:
-    """Serve until SIGTERM or SIGINT, then drain for `shutdown_grace_s` and return."""
-    loop = asyncio.get_running_loop()
-    engine_loop = EngineLoop(engine, loop)
-    engine_loop.start()
-    # One admission for both front-ends: a sample counts against the limit however it came.
-    admission = Admission(config.max_inflight_requests, config.max_n)
-    server, health_servicer = build_server(engine_loop, config, admission)
+async def serve(engine: AsyncEngine, config: ServerConfig) -> None:
+    """Serve until SIGTERM or SIGINT, then drain for `shutdown_grace_s`, shut the engine down
+    and return."""
+    engine.start()
+    try:
+        await _serve_until_stopped(engine, config)
+    finally:
+        engine.shutdown()
+
+
+async def _serve_until_stopped(engine: AsyncEngine, config: ServerConfig) -> None:
+    server, health_servicer = build_server(engine, config)
     host = f"[{config.host}]" if ":" in config.host else config.host
     try:
         port = server.add_insecure_port(f"{host}:{config.port}")
     except RuntimeError as exc:
-        engine_loop.stop()
         raise OSError(f"cannot bind {host}:{config.port}: {exc}") from None
-    try:
-        http = _http_front_end(engine_loop, admission, config, model_name)
-    except BaseException:
-        engine_loop.stop()
-        raise
-    if engine.kv_transfer is not None:  # handles of KV saved here name this server
-        engine.kv_transfer.address = advertised_address(config.host, port)
+    http = _http_front_end(engine, config)
+    engine.set_kv_transfer_address(advertised_address(config.host, port))
     await server.start()
     if http is not None:
         await http.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    health_task = asyncio.create_task(report_health(engine_loop, health_servicer, config))
+    health_task = asyncio.create_task(report_health(engine, health_servicer, config))
     stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     if http is not None:  # first: whoever reads the gRPC ready line finds this one too
         print(f"rollout-engine HTTP (vllm serve API) on http://{host}:{http.port}",
               file=sys.stderr, flush=True)
-    print(f"rollout-engine serving {model_name or engine.config.model_config.model} "
-          f"on {host}:{port}", file=sys.stderr, flush=True)
+    print(f"rollout-engine serving {engine.model.served_model_name} on {host}:{port}",
+          file=sys.stderr, flush=True)
     await stop.wait()
     logger.warning("shutting down: draining in-flight calls for up to %.1f s",
                    config.shutdown_grace_s)
@@ -123,18 +118,16 @@ async def serve(engine: LLMEngine, config: ServerConfig, model_name: str = "") -
     if http is not None:
         stopping.append(http.stop(config.shutdown_grace_s))
     await asyncio.gather(*stopping)
-    engine_loop.stop()
 
 
-def _http_front_end(engine_loop: EngineLoop, admission: Admission, config: ServerConfig,
-                    model_name: str):
+def _http_front_end(engine: AsyncEngine, config: ServerConfig):
     """The HTTP front-end, its port bound, if `config.http_port` asks for one (FastAPI is
     imported only then)."""
     if config.http_port is None:
         return None
     from rollout_engine.server.http.app import HttpFrontEnd
 
-    return HttpFrontEnd(engine_loop, admission, config, model_name)
+    return HttpFrontEnd(engine, config)
 
 
 def advertised_address(host: str, port: int) -> str:
@@ -144,13 +137,13 @@ def advertised_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def report_health(engine_loop: EngineLoop, health_servicer, config: ServerConfig) -> None:
+async def report_health(engine: AsyncEngine, health_servicer, config: ServerConfig) -> None:
     """Keep the health status (of "" and of the RolloutEngine service) true: NOT_SERVING while
     the engine thread is dead or one step or command has run for `engine_stall_s`, SERVING
     again once it is responsive."""
     status = health_pb2.HealthCheckResponse.SERVING  # as serve() set it
     while True:
-        is_serving = engine_loop.is_responsive(config.engine_stall_s)
+        is_serving = engine.is_responsive(config.engine_stall_s)
         new_status = (health_pb2.HealthCheckResponse.SERVING if is_serving
                       else health_pb2.HealthCheckResponse.NOT_SERVING)
         if new_status != status:
@@ -162,10 +155,10 @@ async def report_health(engine_loop: EngineLoop, health_servicer, config: Server
         await asyncio.sleep(_HEALTH_INTERVAL_S)
 
 
-def run_server(engine: LLMEngine, config: ServerConfig, model_name: str = "") -> int:
+def run_server(engine: AsyncEngine, config: ServerConfig) -> int:
     """Blocking entry point of `rollout-engine serve`; returns the exit status."""
     try:
-        asyncio.run(serve(engine, config, model_name))
+        asyncio.run(serve(engine, config))
     finally:
-        engine.worker.shutdown()  # the other tensor-parallel ranks' processes (none at TP=1)
+        engine.shutdown()  # if serve never ran: the other tensor-parallel ranks' processes too
     return 0

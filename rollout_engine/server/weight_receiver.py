@@ -3,39 +3,35 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import mmap
 import os
 import re
-import warnings
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from memory.shm import SHM_DIR
 from protos import rollout_pb2 as pb
+from protos.weight_codec import RawChunk, copy_bytes, stream_chunk_buffer
 from rollout_engine.protocol import InvalidRequestError, WeightUpdateError
-from rollout_engine.server.chunk_decoding import RawChunk, stream_chunk_buffer
 from rollout_engine.server.convert import weight_manifest_from_proto
-from rollout_engine.server.engine_loop import EngineLoop
 from rollout_engine.server.status import check_decoded
 from rollout_engine.worker.cuda_ipc_receiver import open_cuda_ipc_buffer
 
-# Views of received bytes are only read (copied into the parameters), never written.
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
+if TYPE_CHECKING:
+    from rollout_engine.server.async_engine import AsyncEngine
+    from rollout_engine.worker.weights.weight_update import ManifestEntry
 
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
-
-Manifest = list[tuple[str, tuple[int, ...], torch.dtype]]
 
 
 class WeightUpdateReceiver:
     """One UpdateWeights call: manifest validated by the engine before any byte is written,
     then chunks or shared buckets written on the engine thread, then the commit."""
 
-    def __init__(self, engine_loop: EngineLoop) -> None:
-        self.engine_loop = engine_loop
-        self.engine = engine_loop.engine
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
 
     async def run(self, request_iterator) -> AsyncIterator[pb.UpdateWeightsResponse]:
         messages = request_iterator.__aiter__()
@@ -43,9 +39,9 @@ class WeightUpdateReceiver:
         if not isinstance(first, pb.UpdateWeightsRequest) or first.WhichOneof("kind") != "manifest":
             raise InvalidRequestError("UpdateWeights must start with a manifest message")
         manifest = weight_manifest_from_proto(first.manifest)
-        session = await self.engine_loop.call(self.engine.begin_weight_update, manifest)
-        self._session, self._assembler = session, TensorAssembler(manifest)
-        self._buffers = SharedBuffers(self.engine.device)
+        update = await self.engine.begin_weight_update(manifest)
+        self._update, self._assembler = update, TensorAssembler(manifest)
+        self._buffers = SharedBuffers(self.engine.model.device)
         self._writing: asyncio.Future | None = None  # the previous chunk's write, overlapped
         committed = False
         try:
@@ -64,11 +60,9 @@ class WeightUpdateReceiver:
         finally:
             if self._writing is not None:  # the call ended early; nobody awaits this write
                 self._writing.add_done_callback(_retrieve_exception)
-            # Queued after any write still running on the engine thread: a mapping is
-            # never closed under a copy that reads it.
-            self.engine_loop.submit(self._buffers.close)
+            update.after_writes(self._buffers.close)
             if not committed:
-                self.engine_loop.submit(session.abort)
+                update.abort()
 
     async def _handle(self, message) -> pb.UpdateWeightsResponse | None:
         check_decoded(message)
@@ -78,12 +72,12 @@ class WeightUpdateReceiver:
             chunk = message if isinstance(message, RawChunk) else message.chunk
             tensors = assemble(self._assembler, chunk.pieces, stream_chunk_buffer(chunk))
             await self._finish_writing()
-            self._writing = self._write(tensors)
+            self._writing = self._update.write(tensors)
             return None
         await self._finish_writing()
         if kind == "bucket":
             buffer = self._buffers.get(message.bucket)
-            await self._write(assemble(self._assembler, message.bucket.pieces, buffer))
+            await self._update.write(assemble(self._assembler, message.bucket.pieces, buffer))
             return pb.UpdateWeightsResponse(bucket_done=message.bucket.bucket_id)
         if kind == "commit":
             return pb.UpdateWeightsResponse(weight_version=await self._commit())
@@ -94,25 +88,20 @@ class WeightUpdateReceiver:
             writing, self._writing = self._writing, None
             await writing
 
-    def _write(self, tensors: list[tuple[str, torch.Tensor]]) -> asyncio.Future:
-        """Write on the engine thread; the future is done once the bytes are in the weights."""
-        write = self._session.write
-        return asyncio.wrap_future(self.engine_loop.submit(lambda: write_all(write, tensors)))
-
     async def _commit(self) -> int:
         incomplete = self._assembler.incomplete()
         if incomplete:
             raise WeightUpdateError(
                 f"commit before all bytes arrived; incomplete tensors: {incomplete[:8]}"
             )
-        await self._write(self._assembler.empty_tensors())
-        return await self.engine_loop.call(self._session.finish)
+        await self._update.write(self._assembler.empty_tensors())
+        return await self._update.finish()
 
 
 class TensorAssembler:
     """Collects each manifest tensor from pieces that arrive in order; returns whole tensors."""
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Sequence[ManifestEntry]) -> None:
         self._metas = {name: (shape, dtype) for name, shape, dtype in manifest}
         self._num_bytes = {
             name: _num_elements(shape) * _element_size(dtype) for name, shape, dtype in manifest
@@ -146,7 +135,7 @@ class TensorAssembler:
         if staging is None:
             staging = torch.empty(total, dtype=torch.uint8, device=data.device)
             self._staging[name] = staging
-        _copy_bytes(staging[start : start + num_bytes], data)
+        copy_bytes(staging[start : start + num_bytes], data)
         if start + num_bytes < total:
             return None
         return self._as_tensor(name, self._staging.pop(name))
@@ -249,29 +238,9 @@ def assemble(
     return tensors
 
 
-def write_all(
-    write: Callable[[str, torch.Tensor], object], tensors: list[tuple[str, torch.Tensor]]
-) -> None:
-    """Runs on the engine thread; CUDA copies finish before the client may reuse a buffer."""
-    for name, tensor in tensors:
-        write(name, tensor)
-    for device in {t.device for _, t in tensors if t.is_cuda}:
-        torch.cuda.synchronize(device)
-
-
 def _retrieve_exception(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()
-
-
-def _copy_bytes(target: torch.Tensor, source: torch.Tensor) -> None:
-    """`target[:] = source` for 1-D uint8 tensors; a plain memmove on CPU (see the client's
-    transports.copy_bytes: torch's parallel copy stalls on oversubscribed cores)."""
-    assert target.shape == source.shape and target.is_contiguous() and source.is_contiguous()
-    if target.is_cpu and source.is_cpu:
-        ctypes.memmove(target.data_ptr(), source.data_ptr(), source.numel())
-    else:
-        target.copy_(source)
 
 
 def _num_elements(shape: tuple[int, ...]) -> int:

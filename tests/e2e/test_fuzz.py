@@ -14,11 +14,11 @@ import pytest
 from safetensors.torch import load_file
 
 from protos import rollout_pb2 as pb
+from protos.weight_codec import encode_stream_chunk
 from rollout_engine.protocol import SERVICE_NAME
 from tests.e2e.server_process import start_server
 from tests.integration.hf_oracle import hf_greedy_batch
 from trainer_bridge import EngineClient, SamplingParams
-from trainer_bridge.transports import encode_stream_chunk
 
 CALL_TIMEOUT_S = 30.0
 # A status is an answer; what must never happen is a dead server, a hang or an unhandled error.

@@ -6,13 +6,12 @@ import pytest
 import torch
 
 from protos import rollout_pb2 as pb
-from rollout_engine.server.chunk_decoding import RawChunk, decode_update_request
+from protos.weight_codec import RawChunk, decode_update_request, encode_stream_chunk
 from trainer_bridge.transports import (
     ALIGNMENT_BYTES,
     Acks,
     TensorReader,
     WeightManifest,
-    encode_stream_chunk,
     plan_buckets,
     stream_requests,
 )

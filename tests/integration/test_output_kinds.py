@@ -91,3 +91,31 @@ def test_sleep_waiting_for_delta_prompts_returns_every_delta(llm):
                                                  if o.request_id == f"drained-{i}"]
         assert mine[-1].finished
         assert assembled(mine) == [c.token_ids for c in expected[f"CUMULATIVE-{i}"][-1].outputs]
+
+
+def test_streams_carry_news_only_and_delta_then_whole_ends_each_sample_whole(llm):
+    """Samples stop at different steps here (stop token ids): a stream's output has only the
+    samples with news and reports each finish once; DELTA_THEN_WHOLE's finishing output has
+    its sample whole (gRPC Generate's last message), FINAL_ONLY's completion to the letter."""
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=40, seed=5, logprobs=2,
+                            stop_token_ids=list(range(0, 512, 8)))
+    engine, outputs = llm.engine, {}
+    for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA,
+                 RequestOutputKind.DELTA_THEN_WHOLE):
+        engine.add_request(kind.name, PROMPTS[0], params, kind)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                outputs.setdefault(output.request_id, []).append(output)
+    (final,) = outputs["FINAL_ONLY"]
+    assert len({len(c.token_ids) for c in final.outputs}) > 1  # they did stop apart
+    for kind in ("DELTA", "DELTA_THEN_WHOLE"):
+        stream = outputs[kind]
+        assert [o.finished for o in stream] == [False] * (len(stream) - 1) + [True]
+        assert all(c.token_ids or c.finished for o in stream for c in o.outputs)
+        ends = [c for o in stream for c in o.outputs if c.finished]
+        assert sorted(c.index for c in ends) == list(range(params.n))  # each finish once
+    assert assembled(outputs["DELTA"]) == [c.token_ids for c in final.outputs]
+    ends = {c.index: c for o in outputs["DELTA_THEN_WHOLE"] for c in o.outputs if c.finished}
+    assert [ends[j] for j in range(params.n)] == final.outputs
+    assert all(c.text == "" for o in outputs["DELTA_THEN_WHOLE"] for c in o.outputs
+               if not c.finished)  # deltas carry no text: it comes whole, decoded once

@@ -14,6 +14,7 @@ from rollout_engine import (
     DeviceOutOfMemoryError,
     EngineBusyError,
     EngineSleepingError,
+    InvalidRequestError,
     RequestOutputKind,
     SamplingParams,
 )
@@ -248,11 +249,11 @@ def test_pause_modes_abort_and_wait_and_what_a_paused_engine_refuses(llm):
     with pytest.raises(EngineBusyError, match="resume_generation"):
         llm.generate([PROMPTS[0]], GREEDY)  # offline, nothing could resume it
     with pytest.raises(EngineBusyError, match="cannot drain"):
-        engine.sleep(level=1, mode="wait")
+        llm.sleep(level=1, mode="wait")
     engine.resume_generation()
     ids = add(engine, PROMPTS[:2])
     engine.step()
-    drained = engine.pause_generation("wait")
+    drained = llm.pause_generation("wait")
     assert [o.request_id for o in drained] == ids
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in drained)
     engine.resume_generation()
@@ -260,11 +261,24 @@ def test_pause_modes_abort_and_wait_and_what_a_paused_engine_refuses(llm):
         WeightVersionSpan(0, 0, MAX_TOKENS)]
 
 
+def test_the_engine_leaves_wait_to_the_loop_that_steps_it(llm):
+    """LLMEngine ends or keeps requests; draining them ("wait") is LLM's (or the server's)."""
+    engine = llm.engine
+    ids = add(engine, PROMPTS[:1])
+    for call in (lambda: engine.sleep(level=1, mode="wait"),
+                 lambda: engine.pause_generation("wait")):
+        with pytest.raises(InvalidRequestError, match="LLM.sleep / LLM.pause_generation"):
+            call()
+    assert not engine.is_paused() and engine.unfinished_request_ids == ids
+    drained = llm.sleep(level=1, mode="wait")
+    assert [o.request_id for o in drained] == ids and drained[0].finished
+
+
 @pytest.mark.parametrize("clear_cache", [True, False])
 def test_clear_cache_on_an_abort_or_wait_pause_resets_the_prefix_cache(llm, clear_cache):
     engine = llm.engine
     llm.generate([PROMPTS[2]], GREEDY)
-    engine.pause_generation("wait", clear_cache=clear_cache)
+    llm.pause_generation("wait", clear_cache=clear_cache)
     engine.resume_generation()
     hits_before = engine.stats()["num_prefix_hit_tokens"]
     llm.generate([PROMPTS[2]], GREEDY)

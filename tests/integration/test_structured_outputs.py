@@ -226,7 +226,7 @@ def test_a_slow_compile_delays_only_its_own_request(llama_dir):
     import threading
 
     engine = LLM(str(llama_dir))
-    compiler = engine.engine._grammars()
+    compiler = engine.engine.processor.grammars()
     release = threading.Event()
     compile_grammar = compiler._compile
 
@@ -259,7 +259,7 @@ def test_a_slow_compile_delays_only_its_own_request(llama_dir):
 
 def test_a_constraint_that_fails_to_compile_ends_its_prompt_only(llama_dir):
     engine = LLM(str(llama_dir))
-    compiler = engine.engine._grammars()
+    compiler = engine.engine.processor.grammars()
 
     def failing_compile(grammar):
         raise RuntimeError("the grammar library gave up")

@@ -1,7 +1,7 @@
 """The HTTP front-end (`serve --http-port`): `vllm serve`'s API as a FastAPI app, served by
-uvicorn as a task of the gRPC server's event loop, over the same EngineLoop and Admission.
+uvicorn as a task of the gRPC server's event loop, over the same `AsyncEngine`.
 
-    front_end = HttpFrontEnd(engine_loop, admission, config, model_name)  # binds the port
+    front_end = HttpFrontEnd(engine, config)  # binds the port
     await front_end.start()    # serving once this returns
     ...
     await front_end.stop(grace_s)
@@ -31,8 +31,7 @@ if TYPE_CHECKING:
     from starlette.types import ASGIApp, Receive, Scope, Send
 
     from rollout_engine.config import ServerConfig
-    from rollout_engine.server.admission import Admission
-    from rollout_engine.server.engine_loop import EngineLoop
+    from rollout_engine.server.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 UNAUTHENTICATED_PATHS = frozenset({"/health"})
@@ -90,9 +89,8 @@ class HttpFrontEnd:
     """The app, its socket (bound on construction: the port is known, and a taken port fails,
     before anything is served) and the uvicorn server running it on the current loop."""
 
-    def __init__(self, engine_loop: EngineLoop, admission: Admission, config: ServerConfig,
-                 model_name: str = "") -> None:
-        self.serving = ServingContext.build(engine_loop, admission, config, model_name)
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.serving = ServingContext.build(engine, config)
         self._socket = _bind(config.host, config.http_port or 0)
         self.port: int = self._socket.getsockname()[1]
         uvicorn_config = uvicorn.Config(

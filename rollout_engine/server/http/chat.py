@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -27,15 +28,13 @@ from rollout_engine.server.http.chat_template import RenderedChat
 from rollout_engine.server.http.completions import usage
 from rollout_engine.server.http.context import ServingContext, serving
 from rollout_engine.server.http.error_responses import json_response
-from rollout_engine.server.http.generation import (
-    EngineRun,
-    final_outputs,
-    read_json,
-    until_disconnected,
-)
+from rollout_engine.server.http.generation import read_json, until_disconnected
 from rollout_engine.server.http.logprobs import TokenTexts, chat_logprobs, prompt_logprobs_json
 from rollout_engine.server.http.sampling import chat_params
 from rollout_engine.server.http.sse import EventStreamResponse, event
+
+if TYPE_CHECKING:
+    from rollout_engine.server.async_engine import Generation
 
 router = APIRouter()
 ROLE = "assistant"
@@ -49,15 +48,15 @@ async def create_chat_completion(raw_request: Request) -> Response:
     check_tool_choice(request)
     prompt = await ctx.render_chat(request, fit_model=request.truncate_prompt_tokens is None)
     params = chat_params(request, len(prompt.token_ids), ctx.max_model_len)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-    run = EngineRun(ctx, request_id, [prompt.token_ids], [params], kind)
+    generation = ctx.engine.generate([prompt.token_ids], [params], kind, "chatcmpl")
     if request.stream:
-        events = ChatStream(ctx, request, request_id, prompt, params).events(run)
-        await run.start()  # admission and the engine's checks answer with a status
-        return EventStreamResponse(events, run.close)
-    (output,) = await until_disconnected(raw_request, final_outputs(run, 1))
-    return json_response(chat_response(ctx, request, request_id, prompt, output))
+        events = ChatStream(ctx, request, response_id, prompt, params).events(generation)
+        await generation.start()  # admission and the engine's checks answer with a status
+        return EventStreamResponse(events, generation.close)
+    (output,) = await until_disconnected(raw_request, generation.final_outputs())
+    return json_response(chat_response(ctx, request, response_id, prompt, output))
 
 
 def check_tool_choice(request: ChatCompletionRequest) -> None:
@@ -84,7 +83,7 @@ def _names_a_given_tool(choice: dict, tools: list) -> bool:
                and tool["function"].get("name") == name for tool in tools)
 
 
-def chat_response(ctx: ServingContext, request: ChatCompletionRequest, request_id: str,
+def chat_response(ctx: ServingContext, request: ChatCompletionRequest, response_id: str,
                   prompt: RenderedChat, output: RequestOutput) -> dict:
     texts = TokenTexts(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
     prefix = _echo_prefix(request)
@@ -103,7 +102,7 @@ def chat_response(ctx: ServingContext, request: ChatCompletionRequest, request_i
         })
     num_generated = sum(len(c.token_ids) for c in output.outputs)
     response = {
-        "id": request_id, "object": "chat.completion", "created": int(time.time()),
+        "id": response_id, "object": "chat.completion", "created": int(time.time()),
         "model": ctx.model_name, "choices": choices,
         "usage": usage(len(prompt.token_ids), num_generated),
         "system_fingerprint": None,
@@ -137,37 +136,35 @@ def _echo_prefix(request: ChatCompletionRequest) -> str:
 
 class ChatStream:
     """The events of one streamed chat request: per choice a first chunk with the role (once
-    the engine's first output tells the prompt it ran, as vLLM sends it), then one per output
-    that brought it tokens or finished it; a usage chunk last if asked for."""
+    the engine's first output tells the prompt it ran, as vLLM sends it), then a chunk per
+    sample of each output (the engine's DELTA outputs carry only the samples with news); a
+    usage chunk last if asked for."""
 
-    def __init__(self, ctx: ServingContext, request: ChatCompletionRequest, request_id: str,
+    def __init__(self, ctx: ServingContext, request: ChatCompletionRequest, response_id: str,
                  prompt: RenderedChat, params: SamplingParams) -> None:
         self.ctx, self.request, self.prompt, self.params = ctx, request, prompt, params
-        self.header = {"id": request_id, "object": "chat.completion.chunk",
+        self.header = {"id": response_id, "object": "chat.completion.chunk",
                        "created": int(time.time()), "model": ctx.model_name}
         self.texts = TokenTexts(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
-        self.num_tokens: dict[int, int] = {}  # per sample, as samples stream
-        self.finished: set[int] = set()
+        self.num_completion_tokens = 0
         options = request.stream_options
         self.include_usage = bool(options and options.include_usage)
         self.continuous_usage = bool(options and options.continuous_usage_stats)
 
-    async def events(self, run: EngineRun) -> AsyncIterator[str]:
+    async def events(self, generation: Generation) -> AsyncIterator[str]:
         try:
             first = True
-            async for _, output in run.outputs():
+            async for _, output in generation:
                 if first:
                     self.prompt, first = as_run(self.ctx, self.prompt, output), False
                     for j in range(self.params.n):
                         yield event(self._first_chunk(j))
                 for completion in output.outputs:
-                    chunk = self._chunk(completion)
-                    if chunk is not None:
-                        yield event(chunk)
+                    yield event(self._chunk(completion))
             if self.include_usage:
                 yield event({**self.header, "choices": [], "usage": self._usage()})
         finally:
-            await run.close()
+            generation.close()
 
     def _first_chunk(self, j: int) -> dict:
         delta = {"role": ROLE, "content": _echo_prefix(self.request)}
@@ -179,14 +176,9 @@ class ChatStream:
             chunk["prompt_text"] = self.prompt.text
         return chunk
 
-    def _chunk(self, completion: CompletionOutput) -> dict | None:
-        j = completion.index
-        if j in self.finished or not (completion.token_ids or completion.finished):
-            return None
-        if completion.finished:
-            self.finished.add(j)
-        self.num_tokens[j] = self.num_tokens.get(j, 0) + len(completion.token_ids)
-        choice = {"index": j, "delta": {"content": completion.text},
+    def _chunk(self, completion: CompletionOutput) -> dict:
+        self.num_completion_tokens += len(completion.token_ids)
+        choice = {"index": completion.index, "delta": {"content": completion.text},
                   "logprobs": None if not self.request.logprobs else chat_logprobs(
                       completion.token_ids, completion.top_logprobs or [],
                       self.request.top_logprobs or 0, self.texts),
@@ -200,4 +192,4 @@ class ChatStream:
         return chunk
 
     def _usage(self) -> dict:
-        return usage(len(self.prompt.token_ids), sum(self.num_tokens.values()))
+        return usage(len(self.prompt.token_ids), self.num_completion_tokens)

@@ -19,7 +19,7 @@ from rollout_engine.engine.prompt_text import check_prompt_length, check_text
 from rollout_engine.protocol import InvalidRequestError
 
 if TYPE_CHECKING:
-    from rollout_engine.engine.input_processor import Processor
+    from rollout_engine.engine.input_processor import InputProcessor
 
 # Arguments the server passes itself: chat_template_kwargs may not override them.
 _RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
@@ -32,7 +32,7 @@ class RenderedChat:
     token_ids: list[int]
 
 
-def render_chat(processor: Processor, request, fit_model: bool = True) -> RenderedChat:
+def render_chat(processor: InputProcessor, request, fit_model: bool = True) -> RenderedChat:
     """The prompt of a chat request (ChatCompletionRequest or TokenizeChatRequest);
     InvalidRequestError for messages, tools or a template that cannot render, and with
     `fit_model` for a prompt too long for the model in any tokenization."""

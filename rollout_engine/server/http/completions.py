@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -23,12 +24,7 @@ from rollout_engine.protocol import (
 from rollout_engine.server.http.api_models import CompletionRequest
 from rollout_engine.server.http.context import ServingContext, serving
 from rollout_engine.server.http.error_responses import json_response
-from rollout_engine.server.http.generation import (
-    EngineRun,
-    final_outputs,
-    read_json,
-    until_disconnected,
-)
+from rollout_engine.server.http.generation import read_json, until_disconnected
 from rollout_engine.server.http.logprobs import (
     TokenTexts,
     completion_logprobs,
@@ -36,6 +32,9 @@ from rollout_engine.server.http.logprobs import (
 )
 from rollout_engine.server.http.sampling import completion_params
 from rollout_engine.server.http.sse import EventStreamResponse, event
+
+if TYPE_CHECKING:
+    from rollout_engine.server.async_engine import Generation
 
 router = APIRouter()
 
@@ -54,15 +53,15 @@ async def create_completion(raw_request: Request) -> Response:
     ctx.check_model(request.model)
     prompts = await prompts_of(ctx, request)
     params = [completion_params(request, len(p.token_ids), ctx.max_model_len) for p in prompts]
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    response_id = f"cmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-    run = EngineRun(ctx, request_id, [p.token_ids for p in prompts], params, kind)
+    generation = ctx.engine.generate([p.token_ids for p in prompts], params, kind, "cmpl")
     if request.stream:
-        events = CompletionStream(ctx, request, request_id, prompts).events(run)
-        await run.start()  # admission and the engine's checks answer with a status
-        return EventStreamResponse(events, run.close)
-    outputs = await until_disconnected(raw_request, final_outputs(run, len(prompts)))
-    return json_response(completion_response(ctx, request, request_id, prompts, outputs))
+        events = CompletionStream(ctx, request, response_id, prompts).events(generation)
+        await generation.start()  # admission and the engine's checks answer with a status
+        return EventStreamResponse(events, generation.close)
+    outputs = await until_disconnected(raw_request, generation.final_outputs())
+    return json_response(completion_response(ctx, request, response_id, prompts, outputs))
 
 
 async def prompts_of(ctx: ServingContext, request: CompletionRequest) -> list[Prompt]:
@@ -84,7 +83,7 @@ async def prompts_of(ctx: ServingContext, request: CompletionRequest) -> list[Pr
 # ------------------------------------------------------------------------------ one response
 
 
-def completion_response(ctx: ServingContext, request: CompletionRequest, request_id: str,
+def completion_response(ctx: ServingContext, request: CompletionRequest, response_id: str,
                         prompts: list[Prompt], outputs: list[RequestOutput]) -> dict:
     texts = TokenTexts(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
     choices: list[dict] = []
@@ -99,7 +98,7 @@ def completion_response(ctx: ServingContext, request: CompletionRequest, request
         len(c.token_ids) for output in outputs for c in output.outputs)
     num_prompt_tokens = sum(len(p.token_ids) for p in prompts)  # as the engine ran them
     return {
-        "id": request_id, "object": "text_completion", "created": int(time.time()),
+        "id": response_id, "object": "text_completion", "created": int(time.time()),
         "model": ctx.model_name, "choices": choices,
         "usage": usage(num_prompt_tokens, num_generated),
         "system_fingerprint": None, "kv_transfer_params": None,
@@ -161,48 +160,42 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
 
 
 class CompletionStream:
-    """The events of one streamed completion request: per sample, a chunk for each output
-    that brought it tokens or finished it; a usage chunk last if asked for. Prompts are
-    described as the engine ran them (`as_run`), once their first output came; usage counts
-    those prompts."""
+    """The events of one streamed completion request: a chunk per sample of each output (the
+    engine's DELTA outputs carry only the samples with news); a usage chunk last if asked
+    for. Prompts are described as the engine ran them (`as_run`), once their first output
+    came; usage counts those prompts."""
 
-    def __init__(self, ctx: ServingContext, request: CompletionRequest, request_id: str,
+    def __init__(self, ctx: ServingContext, request: CompletionRequest, response_id: str,
                  prompts: list[Prompt]) -> None:
         self.ctx, self.request, self.prompts = ctx, request, prompts
-        self.header = {"id": request_id, "object": "text_completion",
+        self.header = {"id": response_id, "object": "text_completion",
                        "created": int(time.time()), "model": ctx.model_name}
         self.texts = TokenTexts(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
         self.ran: dict[int, Prompt] = {}
         self.num_tokens: dict[tuple[int, int], int] = {}
+        """Per (prompt, sample) that has streamed: its tokens so far, for usage."""
         self.text_offsets: dict[tuple[int, int], int] = {}
-        self.finished: set[tuple[int, int]] = set()
         self.prompt_logprobs: dict[int, list[TopLogprobs | None]] = {}
         options = request.stream_options
         self.include_usage = bool(options and options.include_usage)
         self.continuous_usage = bool(options and options.continuous_usage_stats)
 
-    async def events(self, run: EngineRun) -> AsyncIterator[str]:
+    async def events(self, generation: Generation) -> AsyncIterator[str]:
         try:
-            async for i, output in run.outputs():
+            async for i, output in generation:
                 if i not in self.ran:
                     self.ran[i] = as_run(self.prompts[i], output)
                 if output.prompt_logprobs is not None:
                     self.prompt_logprobs[i] = output.prompt_logprobs
                 for completion in output.outputs:
-                    chunk = self._chunk(i, completion)
-                    if chunk is not None:
-                        yield event(chunk)
+                    yield event(self._chunk(i, completion))
             if self.include_usage:
                 yield event({**self.header, "choices": [], "usage": self._usage()})
         finally:
-            await run.close()
+            generation.close()
 
-    def _chunk(self, i: int, completion: CompletionOutput) -> dict | None:
+    def _chunk(self, i: int, completion: CompletionOutput) -> dict:
         key = (i, completion.index)
-        if key in self.finished or not (completion.token_ids or completion.finished):
-            return None
-        if completion.finished:
-            self.finished.add(key)
         first = key not in self.num_tokens
         request, prompt = self.request, self.ran[i]
         echo_only = request.echo and request.max_tokens == 0  # its one token is dropped

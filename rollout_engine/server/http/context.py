@@ -1,15 +1,14 @@
-"""What every HTTP route works with: the engine loop and admission it shares with gRPC, the
-served model's names and limits, and a tokenizer of its own, used off the event loop."""
+"""What every HTTP route works with: the `AsyncEngine` it shares with gRPC, the served model's
+names and limits, and a tokenizer of its own, used off the event loop."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rollout_engine.config import is_loopback_host
-from rollout_engine.engine.input_processor import Processor
+from rollout_engine.engine.input_processor import InputProcessor
 from rollout_engine.protocol import InvalidRequestError
 from rollout_engine.server.http.chat_template import RenderedChat, render_chat
 from rollout_engine.server.http.error_responses import UnknownModelError
@@ -20,8 +19,7 @@ if TYPE_CHECKING:
     from fastapi import Request
 
     from rollout_engine.config import ServerConfig
-    from rollout_engine.server.admission import Admission
-    from rollout_engine.server.engine_loop import EngineLoop
+    from rollout_engine.server.async_engine import AsyncEngine
     from rollout_engine.server.http.api_models import ChatCompletionRequest, TokenizeChatRequest
 
 T = TypeVar("T")
@@ -38,32 +36,24 @@ UNTRUSTED_TEMPLATE_MESSAGE = (
 class ServingContext:
     """Shared by the routes of one server (`request.app.state.serving`)."""
 
-    engine_loop: EngineLoop
-    admission: Admission
-    """The one admission of the process: gRPC calls and HTTP requests count against it alike."""
+    engine: AsyncEngine
+    """The one door to the engine: gRPC calls and HTTP requests share it (and its admission)."""
     config: ServerConfig
     served_model_names: list[str]
-    processor: Processor
+    processor: InputProcessor
     """A tokenizer of the front-end's own: prompts are tokenized here, off the event loop
     (`off_loop`), never on the engine thread, and never through the engine's tokenizer object."""
     metrics: VllmMetrics
     """vLLM's `vllm:*` metric families of this server (`/metrics`)."""
     pool: OffLoopPool = field(default_factory=OffLoopPool)
     """Where templates are rendered and text is tokenized and detokenized."""
-    _ids: itertools.count = field(default_factory=itertools.count)
 
     @classmethod
-    def build(cls, engine_loop: EngineLoop, admission: Admission, config: ServerConfig,
-              model_name: str) -> ServingContext:
-        engine = engine_loop.engine
-        names = list(config.served_model_names) or [model_name or engine.config.model_config.model]
-        processor = Processor(engine.config.model_config.model, engine.hf_config,
-                              engine.limits.max_model_len)
-        return cls(engine_loop, admission, config, names, processor, VllmMetrics(names[0]))
-
-    @property
-    def engine(self):
-        return self.engine_loop.engine
+    def build(cls, engine: AsyncEngine, config: ServerConfig) -> ServingContext:
+        model = engine.model
+        names = list(config.served_model_names) or [model.served_model_name]
+        processor = InputProcessor(model.model, model.hf_config, model.max_model_len)
+        return cls(engine, config, names, processor, VllmMetrics(names[0]))
 
     @property
     def tokenizer(self):
@@ -75,15 +65,12 @@ class ServingContext:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.limits.max_model_len
+        return self.engine.model.max_model_len
 
     @property
     def control_endpoints_enabled(self) -> bool:
         """vLLM's dev-mode endpoints: on loopback always, elsewhere when asked for."""
         return self.config.enable_control_endpoints or is_loopback_host(self.config.host)
-
-    def next_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}"
 
     def check_model(self, model: str | None) -> None:
         """UnknownModelError (404) for a model this server does not serve; None is any."""

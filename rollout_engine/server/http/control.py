@@ -2,14 +2,13 @@
 `/get_world_size`, `/reset_prefix_cache`, `/sleep`, `/wake_up`, `/is_sleeping`, `/pause`,
 `/resume`, `/is_paused`. Mounted on a loopback bind, or with `--enable-control-endpoints`.
 
-Each runs on the engine thread through the engine loop, as its gRPC twin does. The weight
-transfer endpoints answer with the client to use instead: weights go over gRPC.
+Each is one verb of the `AsyncEngine`, as its gRPC twin is. The weight transfer endpoints
+answer with the client to use instead: weights go over gRPC.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from typing import Annotated, Literal
 
@@ -41,19 +40,18 @@ async def server_info(request: Request,
 
 
 def vllm_config(ctx: ServingContext) -> dict:
-    engine = ctx.engine
-    config = engine.config
+    model = ctx.engine.model
+    config = model.config
     tp_size = config.parallel_config.tensor_parallel_size
     return {
         "model_config": {
-            "model": config.model_config.model, "served_model_name": ctx.model_name,
-            "tokenizer": config.model_config.model,
-            "dtype": str(engine.worker.dtype).removeprefix("torch."),
+            "model": model.model, "served_model_name": ctx.model_name,
+            "tokenizer": model.model, "dtype": model.dtype,
             "max_model_len": ctx.max_model_len, "seed": config.model_config.seed,
             "max_logprobs": MAX_LOGPROBS, "logprobs_mode": SamplingParams().logprobs_mode,
         },
         "cache_config": {"block_size": config.cache_config.block_size,
-                         "num_gpu_blocks": engine.limits.num_blocks,
+                         "num_gpu_blocks": model.num_blocks,
                          "enable_prefix_caching": config.cache_config.enable_prefix_caching},
         "parallel_config": {"tensor_parallel_size": tp_size, "pipeline_parallel_size": 1,
                             "data_parallel_size": 1, "world_size": tp_size},
@@ -68,14 +66,13 @@ def vllm_config(ctx: ServingContext) -> dict:
 
 @router.get("/get_world_size")
 async def get_world_size(request: Request) -> Response:
-    tp_size = serving(request).engine.config.parallel_config.tensor_parallel_size
-    return json_response({"world_size": tp_size})
+    config = serving(request).engine.model.config
+    return json_response({"world_size": config.parallel_config.tensor_parallel_size})
 
 
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> Response:
-    ctx = serving(request)
-    await ctx.engine_loop.call(ctx.engine.reset_prefix_cache)
+    await serving(request).engine.reset_prefix_cache()
     return json_response({"success": True})
 
 
@@ -83,23 +80,20 @@ async def reset_prefix_cache(request: Request) -> Response:
 async def sleep(request: Request, level: int = 1, mode: str = "abort") -> Response:
     """Release memory (1: offload weights, drop KV; 2: drop both). `mode`: "abort" ends the
     requests in flight, "wait" drains them first, "keep" freezes them across the sleep."""
-    ctx = serving(request)
-    await ctx.engine_loop.sleep(SleepLevel.parse(level), check_sleep_mode(mode))
+    await serving(request).engine.sleep(SleepLevel.parse(level), check_sleep_mode(mode))
     return Response(status_code=200)
 
 
 @router.post("/wake_up")
 async def wake_up(request: Request, tags: Annotated[list[str] | None, Query()] = None
                   ) -> Response:
-    ctx = serving(request)
-    await ctx.engine_loop.call(functools.partial(ctx.engine.wake_up, tags=tags or None))
+    await serving(request).engine.wake_up(tags or None)
     return Response(status_code=200)
 
 
 @router.get("/is_sleeping")
 async def is_sleeping(request: Request) -> Response:
-    ctx = serving(request)
-    state = await ctx.engine_loop.call(ctx.engine.memory_state)
+    state = await serving(request).engine.memory_state()
     return json_response({"is_sleeping": state.is_sleeping})
 
 
@@ -109,21 +103,20 @@ async def pause(request: Request, mode: str = "abort", clear_cache: bool = True)
     flight, "wait" drains them, "keep" freezes them until `/resume` (their streams wait).
     A `/resume` during a "wait" drain cancels the pause: this answers 200 once drained (as
     vLLM's does), with `{"status": "resumed"}`: generation is running."""
-    ctx = serving(request)
-    result = await ctx.engine_loop.pause(check_sleep_mode(mode), clear_cache)
+    result = await serving(request).engine.pause(check_sleep_mode(mode), clear_cache)
     return json_response({"status": "paused" if result.is_paused else "resumed"})
 
 
 @router.post("/resume")
 async def resume(request: Request) -> Response:
-    await serving(request).engine_loop.resume()
+    await serving(request).engine.resume()
     return json_response({"status": "resumed"})
 
 
 @router.get("/is_paused")
 async def is_paused(request: Request) -> Response:
     """True while paused, and from a "wait" pause's start: no new request starts meanwhile."""
-    return json_response({"is_paused": await serving(request).engine_loop.is_paused()})
+    return json_response({"is_paused": await serving(request).engine.is_paused()})
 
 
 async def _weights_go_over_grpc(request: Request) -> Response:

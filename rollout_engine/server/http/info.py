@@ -4,7 +4,6 @@ vLLM's `vllm:*` families, see metrics.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from importlib import metadata
 
@@ -24,7 +23,7 @@ async def health(request: Request) -> Response:
     """200 while the engine thread is alive and no step has run for `--engine-stall-s`, 503
     otherwise (the gRPC health service says the same)."""
     ctx = serving(request)
-    if ctx.engine_loop.is_responsive(ctx.config.engine_stall_s):
+    if ctx.engine.is_responsive(ctx.config.engine_stall_s):
         return Response(status_code=200)
     return json_response(error_body("the engine is not responsive (dead, or one step or "
                                     "command has run too long)", 503), 503)
@@ -43,7 +42,7 @@ async def version(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     ctx = serving(request)
     cards = [{"id": name, "object": "model", "created": _CREATED_S, "owned_by": "rollout-engine",
-              "root": ctx.engine.config.model_config.model, "parent": None,
+              "root": ctx.engine.model.model, "parent": None,
               "max_model_len": ctx.max_model_len, "permission": []}
              for name in ctx.served_model_names]
     return json_response({"object": "list", "data": cards})
@@ -52,15 +51,9 @@ async def list_models(request: Request) -> Response:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     ctx = serving(request)
-    engine = ctx.engine
-    info, request_stats = await ctx.engine_loop.call(
-        lambda: (engine.info(), engine.request_stats()))
-    is_paused = await ctx.engine_loop.is_paused()  # draining to pause reads as paused
-    info = dataclasses.replace(
-        info, **ctx.engine_loop.counters(),
-        num_inflight_requests=ctx.admission.num_inflight_requests,
-        max_inflight_requests=ctx.admission.max_inflight_requests)
-    text = prometheus_text(ctx, info, is_paused) + ctx.metrics.render(info, request_stats)
+    snapshot = await ctx.engine.metrics()
+    text = (prometheus_text(ctx, snapshot.info, snapshot.is_paused)
+            + ctx.metrics.render(snapshot.info, snapshot.request_stats))
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -2,7 +2,7 @@
 `rollout_engine_*` families, so that vLLM's dashboards and alerts read this server unchanged.
 
 One registry per server. The engine keeps the counts (`EngineInfo.engine_stats`) and the
-histograms (`LLMEngine.request_stats()`, measured where tokens land); a scrape reads both from
+histograms (`AsyncEngine.metrics()`, measured where tokens land); a scrape reads both from
 the engine thread and renders them here with prometheus_client's exposition. Every family
 carries vLLM's labels, `model_name` (the served name) and `engine="0"`, and vLLM's help text
 and bucket boundaries.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from starlette.responses import StreamingResponse
@@ -47,7 +47,7 @@ class EventStreamResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[str],
-                 on_close: Callable[[], Awaitable[None]] | None = None) -> None:
+                 on_close: Callable[[], None] | None = None) -> None:
         super().__init__(with_done(events), media_type=self.media_type,
                          headers={"cache-control": "no-cache"})
         self._on_close = on_close
@@ -65,7 +65,7 @@ class EventStreamResponse(StreamingResponse):
             await asyncio.gather(stream, listen, return_exceptions=True)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
             if self._on_close is not None:
-                await self._on_close()
+                self._on_close()
 
     async def _stream_or_drop(self, send: Send) -> None:
         try:

@@ -48,7 +48,7 @@ async def detokenize(raw_request: Request) -> Response:
     ctx.check_model(request.model)
     if ctx.tokenizer is None:
         raise InvalidRequestError("this model has no tokenizer")
-    vocab_size = ctx.engine.limits.vocab_size
+    vocab_size = ctx.engine.model.vocab_size
     bad = [t for t in request.tokens if t >= vocab_size]
     if bad:
         raise InvalidRequestError(
