@@ -32,7 +32,7 @@ test-all: $(STAMP) cpu-kernel
 	$(PYTEST) -q -m "not gpu" tests
 
 bench: $(STAMP) cpu-kernel
-	$(PY) benchmarks/rollout_throughput.py
+	$(PY) -m benchmarks.rollout_throughput
 
 demo: $(STAMP) cpu-kernel
 	$(PY) examples/ppo_colocate.py

@@ -10,8 +10,8 @@ scheduling on the engine's host thread). The table reports, per batch size:
   remains exposed is what the overlap did not hide ("hidden" = 1 - async / sync);
 - bound: the speed-up a perfect overlap would give, the sync step over its device time.
 
-    python benchmarks/async_scheduling.py                       # small model, batches 1 16 64
-    python benchmarks/async_scheduling.py --size tiny --max-tokens 64
+    python -m benchmarks.async_scheduling                       # small model, batches 1 16 64
+    python -m benchmarks.async_scheduling --size tiny --max-tokens 64
 
 On the CPU the forward and the host share the GIL: only time spent inside torch ops (which
 release it) overlaps. `--switch-interval` shortens the interpreter's GIL hand-off so the
@@ -28,17 +28,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.common import add_model_args
 from rollout_engine import LLM, SamplingParams
 from rollout_engine.tiny_model import build_tiny_model
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="Hugging Face model dir (default: build --size)")
-    parser.add_argument("--arch", default="qwen2")
-    parser.add_argument("--size", default="small", help="tiny | small | 0.5b")
+    add_model_args(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64],
                         help="sequences per rollout (prompts x n, n = 8 from 8 up)")
     parser.add_argument("--min-prompt-len", type=int, default=64)

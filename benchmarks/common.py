@@ -1,12 +1,27 @@
-"""What several benchmarks share: the model options, the GRPO-shaped workload's options and its
-random prompts. Scripts import it as a sibling (`from workload import ...`)."""
+"""What several benchmarks share: model and GRPO-workload options, prompts, and the competitors."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Competitors live in venvs of their own (`make peers`), never in ours.
+VLLM_PYTHON = REPO_ROOT / ".peers" / "vllm" / "bin" / "python"
+# Run by VLLM_PYTHON as a plain script: it imports vLLM only, never this package.
+_VLLM_SCRIPT = Path(__file__).resolve().parent / "peers" / "vllm_generate.py"
 
 
 def add_model_args(parser: argparse.ArgumentParser, arch: str = "qwen2") -> None:
@@ -36,7 +51,7 @@ def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
     ]
 
 
-def left_padded(prompts: list[list[int]]):
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) [num_prompts, longest] of one left-padded batch (pad id 0),
     as Hugging Face `generate` takes them."""
     import torch
@@ -58,3 +73,91 @@ def kv_bytes_per_token(model_dir: str, dtype: torch.dtype) -> int:
 
     config = AutoConfig.from_pretrained(model_dir)
     return KVCacheSpec.from_model(config, block_size=1, dtype=dtype).bytes_per_token
+
+
+def vllm_available() -> bool:
+    return VLLM_PYTHON.exists()
+
+
+def vllm_missing_note() -> str:
+    return f"vLLM's CPU build is not installed ({VLLM_PYTHON} missing): `make peers` adds it"
+
+
+def run_vllm(
+    model_dir: str,
+    prompts: list[list[int]],
+    *,
+    n: int,
+    max_tokens: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    threads: int | None = None,
+    repeats: int = 1,
+    kv_cache_gib: int = 4,
+    timeout_s: float = 3600.0,
+) -> dict:
+    """{"elapsed_s": [one per repeat], "num_tokens": N, "version": ...} of vLLM generating the
+    same workload (unseeded, EOS ignored) in a child process of its own venv."""
+    job = {"model": model_dir, "prompts": prompts, "n": n, "max_tokens": max_tokens,
+           "max_model_len": max_model_len, "max_num_batched_tokens": max_num_batched_tokens,
+           "threads": threads, "repeats": repeats, "max_num_seqs": max(256, len(prompts) * n),
+           "kv_cache_gib": kv_cache_gib}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(job, f)
+        f.flush()
+        result = subprocess.run([str(VLLM_PYTHON), str(_VLLM_SCRIPT), f.name],
+                                capture_output=True, text=True, timeout=timeout_s, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"vLLM failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+class VllmServer:
+    """`vllm serve` (its OpenAI server) from `.peers/vllm` on a free loopback port, for
+    benchmarks that compare HTTP front-ends; `base_url` once /health answers. float32, prefix
+    caching on, the KV space and OpenMP cores set as `run_vllm` sets them."""
+
+    def __init__(self, model_dir: str, *, max_model_len: int, max_num_batched_tokens: int,
+                 max_num_seqs: int, threads: int | None = None, kv_cache_gib: int = 4,
+                 log_path: str | None = None, startup_timeout_s: float = 900.0) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+        if threads:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
+        self._log = open(log_path or os.devnull, "w")  # noqa: SIM115 - lives with the server
+        self.process = subprocess.Popen(
+            # The `vllm` script looks up a distribution named "vllm" (this one is "vllm-cpu"):
+            # its API server module takes `vllm serve`'s options.
+            [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+             "--max-model-len", str(max_model_len),
+             "--max-num-batched-tokens", str(max_num_batched_tokens),
+             "--max-num-seqs", str(max_num_seqs), "--enable-prefix-caching"],
+            env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.base_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + startup_timeout_s
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"vllm serve did not start (see {log_path or 'its log'})")
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()

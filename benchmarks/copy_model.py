@@ -6,7 +6,7 @@ model learns this (a previous-token head plus an induction head) in 1,500 AdamW 
 two to three minutes on one CPU thread of an idle machine. The checkpoint is written with the tokenizer and generation config of
 `rollout_engine.tiny_model`, so the engine loads it like any other model directory.
 
-    python benchmarks/copy_model.py --output benchmarks/results/copy_model --num-steps 1500
+    python -m benchmarks.copy_model --output benchmarks/results/copy_model --num-steps 1500
 """
 
 from __future__ import annotations
@@ -15,13 +15,10 @@ import argparse
 import json
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout_engine.tiny_model import BOS_TOKEN, EOS_TOKEN, SPECIAL_TOKENS, build_tiny_model
 

@@ -14,9 +14,9 @@ caches, so the KV comes from memory as in a real step, not from the last call's 
 GB/s counts each KV byte the step needs once: the shared prompt blocks once per group, the
 own tokens once per sample, keys and values.
 
-    python benchmarks/cpu_attention.py                      # contexts 256, 1024, 4096
-    python benchmarks/cpu_attention.py --contexts 1024 --threads 2 --seconds 5
-    python benchmarks/cpu_attention.py --softcap 50 --sinks  # a Gemma 2 / gpt-oss layer
+    python -m benchmarks.cpu_attention                      # contexts 256, 1024, 4096
+    python -m benchmarks.cpu_attention --contexts 1024 --threads 2 --seconds 5
+    python -m benchmarks.cpu_attention --softcap 50 --sinks  # a Gemma 2 / gpt-oss layer
 """
 
 from __future__ import annotations
@@ -24,13 +24,9 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import AttentionMetadata, cpu_extension, kv_cache_layout
 from kernels.dispatch import paged_attention

@@ -3,7 +3,7 @@
 Two measurements, side by side in one run, on the same model:
 
 1. Rollout: a batch of prompts x n samples at temperature 1 (as in
-   benchmarks/rollout_throughput.py), through `EngineClient.generate` against a
+   `benchmarks.rollout_throughput`), through `EngineClient.generate` against a
    `rollout-engine serve` process, and through the in-process `LLM.generate`.
    Goal: gRPC at most 10% slower.
 2. Weight update bandwidth of each transport (`stream`, `shm`, and `cuda_ipc` when CUDA is
@@ -11,8 +11,8 @@ Two measurements, side by side in one run, on the same model:
    a bare gRPC stream of the same number of bytes into a sink service defined here.
    Goals: shm at least 50% of memcpy; stream at least 80% of the bare gRPC stream.
 
-    python benchmarks/grpc_overhead.py                                     # defaults
-    python benchmarks/grpc_overhead.py --num-prompts 8 --n 4 --max-tokens 32   # quick look
+    python -m benchmarks.grpc_overhead                                     # defaults
+    python -m benchmarks.grpc_overhead --num-prompts 8 --n 4 --max-tokens 32   # quick look
 """
 
 from __future__ import annotations
@@ -30,11 +30,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from workload import add_grpo_workload_args, add_model_args, make_prompts
-
+from benchmarks.common import REPO_ROOT, add_grpo_workload_args, add_model_args, make_prompts
 from rollout_engine.tiny_model import build_tiny_model
 from rollout_engine.worker.cpu_threads import cpu_seconds
 from trainer_bridge import EngineClient, SamplingParams
@@ -114,8 +110,8 @@ class Server:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "rollout_engine.cli", "serve", "--model", model_dir,
              "--port", "0", *flags],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
         )
         self.address = self._wait_ready()
 

@@ -11,22 +11,18 @@ The batches are GRPO-shaped decode steps (every request at a position around
 Host work does not depend on the device, so this runs on the CPU too; `--device cuda`
 adds the copies themselves.
 
-    python benchmarks/host_overhead.py
-    python benchmarks/host_overhead.py --device cuda --batch-sizes 1 64 256 1024
+    python -m benchmarks.host_overhead
+    python -m benchmarks.host_overhead --device cuda --batch-sizes 1 64 256 1024
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import AttentionMetadata
 from rollout_engine.core.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput

@@ -10,14 +10,13 @@ Rows, the paths alternating so that a change in the machine's load hits all alik
   (unseeded: a per-request seed crashes vLLM's CPU build); skipped with a note otherwise.
 Goal: HTTP within 10% of gRPC (wall time).
 
-    python benchmarks/http_overhead.py --threads 2          # 8 prompts x n=8, small preset
+    python -m benchmarks.http_overhead --threads 2          # 8 prompts x n=8, small preset
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,12 +24,14 @@ from pathlib import Path
 import requests
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from peers import VllmServer, vllm_available, vllm_missing_note
-from workload import add_grpo_workload_args, add_model_args, make_prompts
-
+from benchmarks.common import (
+    VllmServer,
+    add_grpo_workload_args,
+    add_model_args,
+    make_prompts,
+    vllm_available,
+    vllm_missing_note,
+)
 from rollout_engine.tiny_model import build_tiny_model
 from rollout_engine.worker.cpu_threads import cpu_seconds
 from trainer_bridge import EngineClient, SamplingParams

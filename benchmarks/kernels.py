@@ -7,8 +7,8 @@ contiguous tensors (gathering not timed) with the KV heads expanded, so it may u
 fastest backend; `torch ref` is the reference this project runs off CUDA (gather +
 SDPA). A mixed row is one launch for us and one SDPA call per uniform group for SDPA.
 
-    python benchmarks/kernels.py            # the table
-    python benchmarks/kernels.py --quick    # fewer rows
+    python -m benchmarks.kernels            # the table
+    python -m benchmarks.kernels --quick    # fewer rows
 """
 
 from __future__ import annotations
@@ -16,12 +16,9 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import AttentionMetadata
 from kernels.paged_attention_ref import paged_attention_ref, store_kv_cache_ref
@@ -177,13 +174,13 @@ def print_tables(rows: list[tuple], store: tuple[float, float], dtype: torch.dty
 def main() -> int:
     args = parse_args()
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs an NVIDIA GPU (torch.cuda.is_available() is False); "
+        print("benchmarks.kernels needs an NVIDIA GPU (torch.cuda.is_available() is False); "
               "nothing measured.")
         return 0
     try:
         import triton  # noqa: F401
     except ImportError:
-        print("benchmarks/kernels.py needs triton: pip install -e '.[gpu]'")
+        print("benchmarks.kernels needs triton: pip install -e '.[gpu]'")
         return 1
     dtype = getattr(torch, args.dtype)
     workloads = [w for w in WORKLOADS if w.quick or not args.quick]

@@ -7,8 +7,8 @@ milliseconds per step (a step's wall time minus its forward and sampling) and th
 the step the host takes, next to tokens/s for every system and the cost per token relative
 to each system's own at the shortest length.
 
-    python benchmarks/long_generation.py                       # 8 prompts x n=8, small preset
-    python benchmarks/long_generation.py --lengths 256 1024    # a quicker look
+    python -m benchmarks.long_generation                       # 8 prompts x n=8, small preset
+    python -m benchmarks.long_generation --lengths 256 1024    # a quicker look
 
 EOS is ignored everywhere, so every system generates the same number of tokens; vLLM runs
 unseeded (a per-request seed crashes its CPU build). HF `generate` runs up to
@@ -18,7 +18,6 @@ unseeded (a per-request seed crashes its CPU build). HF `generate` runs up to
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -26,17 +25,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from peers import run_vllm, vllm_available, vllm_missing_note
-from workload import (
+from benchmarks.common import (
     add_grpo_workload_args,
     add_model_args,
     kv_bytes_per_token,
     left_padded,
     make_prompts,
+    run_vllm,
+    vllm_available,
+    vllm_missing_note,
 )
-
 from rollout_engine import LLM, SamplingParams
 from rollout_engine.tiny_model import build_tiny_model
 

@@ -13,8 +13,8 @@ CPU it only frees the KV cache; level 2 frees both. The claim checked here: with
 the combined peak is lower than with sleep off by at least 90% of the engine's weight + KV
 pool bytes.
 
-    python benchmarks/memory_timeline.py                      # "small" model, 256 MiB KV pool
-    python benchmarks/memory_timeline.py --size tiny --kv-cache-mib 16 --steps 2   # quick look
+    python -m benchmarks.memory_timeline                      # "small" model, 256 MiB KV pool
+    python -m benchmarks.memory_timeline --size tiny --kv-cache-mib 16 --steps 2   # quick look
 """
 
 from __future__ import annotations
@@ -27,9 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
+from benchmarks.common import REPO_ROOT
 from trainer_bridge.timeline import PHASE_COLORS, STEP_PHASES
 
 MiB = 2**20
@@ -108,8 +106,9 @@ def run_config(args: argparse.Namespace, model_dir: Path, sleep_level: int | Non
 def run_in_subprocess(args: argparse.Namespace, name: str, model_dir: Path) -> dict:
     """One configuration in a fresh trainer process, so no run inherits another's heap."""
     result_path = Path(args.out) / f"run-level{CONFIGS[name]}.json"
-    command = [sys.executable, __file__, "--worker", f"{name}={result_path}", "--model",
-               str(model_dir), *_forwarded(args)]
+    # Same cwd and environment as this process, so the package imports as it did here.
+    command = [sys.executable, "-m", "benchmarks.memory_timeline", "--worker",
+               f"{name}={result_path}", "--model", str(model_dir), *_forwarded(args)]
     subprocess.run(command, check=True)
     return json.loads(result_path.read_text())
 

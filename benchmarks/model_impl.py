@@ -12,24 +12,20 @@
 
 EOS is ignored, so every system generates the same number of tokens.
 
-    python benchmarks/model_impl.py --threads 2
-    python benchmarks/model_impl.py --num-prompts 4 --max-tokens 32   # a quicker look
+    python -m benchmarks.model_impl --threads 2
+    python -m benchmarks.model_impl --num-prompts 4 --max-tokens 32   # a quicker look
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from workload import add_grpo_workload_args, left_padded, make_prompts
-
+from benchmarks.common import add_grpo_workload_args, left_padded, make_prompts
 from rollout_engine import LLM, SamplingParams
 from rollout_engine.tiny_model import SIZES, build_tiny_model, make_config, write_model_dir
 

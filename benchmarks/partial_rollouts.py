@@ -34,9 +34,9 @@ needs; figures are per returned token. Per mode (its best of `--rounds` rounds, 
   engine slept in "keep" mode (their KV is recomputed at the wake): the default pool holds
   every row in flight at full length, so none for lack of blocks.
 
-    python benchmarks/partial_rollouts.py                          # tiny model, cap 2048
-    python benchmarks/partial_rollouts.py --rounds 1 --steps 5     # a quick look
-    python benchmarks/partial_rollouts.py --size small --steps 8   # a larger model
+    python -m benchmarks.partial_rollouts                          # tiny model, cap 2048
+    python -m benchmarks.partial_rollouts --rounds 1 --steps 5     # a quick look
+    python -m benchmarks.partial_rollouts --size small --steps 8   # a larger model
 
 A run of few steps undercounts partial rollouts: the tokens of groups still in flight at the
 end took rollout time but are not returned.
@@ -48,7 +48,6 @@ import argparse
 import math
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -58,10 +57,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from workload import add_model_args, kv_bytes_per_token
-
+from benchmarks.common import add_model_args, kv_bytes_per_token
 from rollout_engine.protocol import RequestOutput
 from rollout_engine.tiny_model import build_tiny_model
 from trainer_bridge import EngineClient, SamplingParams

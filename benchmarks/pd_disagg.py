@@ -15,8 +15,8 @@ against the same decodes alone), and the transfer itself: KV bytes per token and
 transfer bandwidth of each step (gather + publish, fetch, write into blocks) next to a
 plain memcpy of the same bytes.
 
-    python benchmarks/pd_disagg.py                       # defaults (a few minutes)
-    python benchmarks/pd_disagg.py --num-long 2 --long-len 256 --decode-tokens 64   # quick
+    python -m benchmarks.pd_disagg                       # defaults (a few minutes)
+    python -m benchmarks.pd_disagg --num-long 2 --long-len 256 --decode-tokens 64   # quick
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import argparse
 import itertools
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -34,11 +33,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from workload import add_model_args
-
+from benchmarks.common import add_model_args
 from rollout_engine.tiny_model import build_tiny_model
 from trainer_bridge import EngineClient, KVTransferParams, SamplingParams
 from trainer_bridge.server_process import EngineServer

@@ -4,8 +4,8 @@ A batch of prompts x n samples, temperature 1, a fixed number of new tokens (EOS
 ignored everywhere so every system generates the same tokens count), run side by side
 in one process on the same model.
 
-    python benchmarks/rollout_throughput.py                 # the default workload
-    python benchmarks/rollout_throughput.py --num-prompts 8 --max-tokens 32   # quick look
+    python -m benchmarks.rollout_throughput                 # the default workload
+    python -m benchmarks.rollout_throughput --num-prompts 8 --max-tokens 32   # quick look
 
 `--threads N` fixes every system's OpenMP threads (the engine's through `cpu_threads`);
 by default each uses its own policy: torch's default for Hugging Face, and for the engine
@@ -39,11 +39,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from peers import run_vllm, vllm_available, vllm_missing_note
-from workload import add_grpo_workload_args, add_model_args, left_padded, make_prompts
-
+from benchmarks.common import (
+    add_grpo_workload_args,
+    add_model_args,
+    left_padded,
+    make_prompts,
+    run_vllm,
+    vllm_available,
+    vllm_missing_note,
+)
 from rollout_engine import LLM, SamplingParams
 from rollout_engine.tiny_model import build_tiny_model
 

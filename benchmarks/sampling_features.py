@@ -12,13 +12,12 @@ Then `score`: the logprobs of the plain run's 64 completions given their prompts
 a trainer computes without the engine: a Hugging Face forward of the same sequences (padded
 batches of `--hf-batch-size`), log_softmax and gather of the completion tokens.
 
-    python benchmarks/sampling_features.py --threads 2
+    python -m benchmarks.sampling_features --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -26,10 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from workload import add_grpo_workload_args, add_model_args, make_prompts
-
+from benchmarks.common import add_grpo_workload_args, add_model_args, make_prompts
 from rollout_engine import LLM, SamplingParams
 from rollout_engine.tiny_model import build_tiny_model
 

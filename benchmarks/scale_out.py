@@ -10,24 +10,19 @@ processes, gloo) and `LLM(tensor_parallel_size=1)`, one thread per rank; on a CP
 all-reduces go through shared memory, so this measures the mechanism's overhead, not a
 GPU's scaling.
 
-    python benchmarks/scale_out.py
-    python benchmarks/scale_out.py --num-prompts 8 --max-tokens 32   # quick look
+    python -m benchmarks.scale_out
+    python -m benchmarks.scale_out --num-prompts 8 --max-tokens 32   # quick look
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from workload import add_grpo_workload_args, add_model_args, make_prompts
-
+from benchmarks.common import add_grpo_workload_args, add_model_args, make_prompts
 from rollout_engine.tiny_model import build_tiny_model
 from trainer_bridge import EngineClient, SamplingParams
 from trainer_bridge.engine_pool import EnginePool

@@ -34,10 +34,10 @@ beyond that step. Both with `clear_cache=False` (the KV stays) and `clear_cache=
 default: the KV is dropped and recomputed at the resume, as a weight update needs).
 `--skip-pause` leaves this part out.
 
-    python benchmarks/sleep_wake.py                       # "small" model, 512 MiB KV pool
-    python benchmarks/sleep_wake.py --kv-cache-mib 64 --repeats 3   # quick look
-    python benchmarks/sleep_wake.py --device cuda --size 0.5b --kv-cache-mib 4096
-    python benchmarks/sleep_wake.py --skip-pause        # the sleep/wake table only
+    python -m benchmarks.sleep_wake                       # "small" model, 512 MiB KV pool
+    python -m benchmarks.sleep_wake --kv-cache-mib 64 --repeats 3   # quick look
+    python -m benchmarks.sleep_wake --device cuda --size 0.5b --kv-cache-mib 4096
+    python -m benchmarks.sleep_wake --skip-pause        # the sleep/wake table only
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -54,10 +53,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from workload import kv_bytes_per_token, make_prompts
-
+from benchmarks.common import add_model_args, kv_bytes_per_token, make_prompts
 from rollout_engine import LLM, SamplingParams
 from rollout_engine.protocol import EngineError
 from rollout_engine.tiny_model import build_tiny_model
@@ -72,9 +68,7 @@ Samples = dict[str, float]
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="Hugging Face model dir (default: build the 'small' preset)")
-    parser.add_argument("--arch", default="llama", help="architecture of the built model")
-    parser.add_argument("--size", default="small", help="size preset of the built model")
+    add_model_args(parser, arch="llama")
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=9, help="median of this many runs")
     parser.add_argument(

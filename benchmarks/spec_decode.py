@@ -7,12 +7,12 @@ Every batch size runs the same prompts through an engine with speculation on (th
 default `disable_by_batch_size`) and one with it off, interleaved, and the greedy outputs
 must be token-identical.
 
-    python benchmarks/spec_decode.py                  # batch sizes 1, 4, 16, 64 (about a minute)
-    python benchmarks/spec_decode.py --quick          # smaller, for a smoke check
-    python benchmarks/spec_decode.py --device cuda    # on a GPU
+    python -m benchmarks.spec_decode                  # batch sizes 1, 4, 16, 64 (about a minute)
+    python -m benchmarks.spec_decode --quick          # smaller, for a smoke check
+    python -m benchmarks.spec_decode --device cuda    # on a GPU
     # sweeps to choose k and disable_by_batch_size (each is followed by the main table):
-    python benchmarks/spec_decode.py --num-prompts 16 --batch-sizes 1 --sweep-k 2 3 4 5 6 8
-    python benchmarks/spec_decode.py --num-prompts 16 --sweep-disable 8 16 32 64 128 256
+    python -m benchmarks.spec_decode --num-prompts 16 --batch-sizes 1 --sweep-k 2 3 4 5 6 8
+    python -m benchmarks.spec_decode --num-prompts 16 --sweep-disable 8 16 32 64 128 256
 
 The first run trains the model (1,500 steps, a few minutes on a CPU) and caches it.
 """
@@ -28,11 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from copy_model import build_copy_model, make_prompt, make_span
-
+from benchmarks.copy_model import build_copy_model, make_prompt, make_span
 from rollout_engine import LLM, SamplingParams
 
 GOAL_BATCH_1 = 2.0

@@ -7,21 +7,19 @@ bitmask of a step is computed on the host while its forward runs on the engine's
 thread; the table reports how long that takes per step and how much of it shows in the step
 time ("hidden" = 1 - extra step time / mask time).
 
-    python benchmarks/structured_output.py                    # small model, batches 1 16 64
+    python -m benchmarks.structured_output                    # small model, batches 1 16 64
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.common import add_model_args
 from rollout_engine import LLM, SamplingParams, StructuredOutputsParams
 from rollout_engine.tiny_model import build_tiny_model
 
@@ -35,9 +33,7 @@ CONSTRAINTS = {
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="Hugging Face model dir (default: build --size)")
-    parser.add_argument("--arch", default="qwen2")
-    parser.add_argument("--size", default="small")
+    add_model_args(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--constraint", choices=list(CONSTRAINTS), default="regex")
     parser.add_argument("--max-tokens", type=int, default=48)

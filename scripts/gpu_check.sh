@@ -164,15 +164,15 @@ census
 for group in "${TEST_GROUPS[@]}"; do
   run_group "${group%%|*}" "${group#*|}"
 done
-run_bench kernels 60 benchmarks/kernels.py --quick
-run_bench rollout_throughput 150 benchmarks/rollout_throughput.py --device cuda --size 0.5b \
+run_bench kernels 60 -m benchmarks.kernels --quick
+run_bench rollout_throughput 150 -m benchmarks.rollout_throughput --device cuda --size 0.5b \
   --skip generate_batch --cuda-graphs --async-scheduling
-run_bench async_scheduling 60 benchmarks/async_scheduling.py --device cuda --size 0.5b \
+run_bench async_scheduling 60 -m benchmarks.async_scheduling --device cuda --size 0.5b \
   --batch-sizes 16 64 --repeats 1
-run_bench host_overhead 40 benchmarks/host_overhead.py --device cuda --repeats 50
-run_bench sleep_wake 60 benchmarks/sleep_wake.py --device cuda --size 0.5b --kv-cache-mib 4096 \
+run_bench host_overhead 40 -m benchmarks.host_overhead --device cuda --repeats 50
+run_bench sleep_wake 60 -m benchmarks.sleep_wake --device cuda --size 0.5b --kv-cache-mib 4096 \
   --repeats 3 --threads 4
-# benchmarks/spec_decode.py is left out: its copy model trains on the CPU first (minutes).
+# benchmarks.spec_decode is left out: its copy model trains on the CPU first (minutes).
 
 {
   echo "gpu_check summary ($(elapsed)s of ${TOTAL_S}s), logs in $LOG_DIR"

@@ -1,7 +1,8 @@
 """Run one GRPO-shaped generation with vLLM's CPU build and print its timing as JSON.
 
-Started by `benchmarks/peers.py` with the interpreter of `.peers/vllm` (`make peers`), never
-imported by the project: vLLM lives in a venv of its own. The request comes as a JSON file:
+Started by `run_vllm` (benchmarks/common.py) with the interpreter of `.peers/vllm` (`make
+peers`), as a plain script: it imports vLLM only, never this project, whose packages that venv
+lacks. The request comes as a JSON file:
 {"model": dir, "prompts": [[ids]], "n": 8, "max_tokens": 128, "max_model_len": 2048,
  "max_num_batched_tokens": 2048, "threads": 2, "repeats": 1}. The answer, on the last line of
 stdout: {"elapsed_s": [per repeat], "num_tokens": N, "version": "..."}.
