@@ -30,7 +30,8 @@ class ModelConfig:
     model: str
     """Path to a Hugging Face model directory (config.json + safetensors + tokenizer)."""
     dtype: DType = "auto"
-    """Weight/activation dtype; "auto" takes the checkpoint's `torch_dtype` (float32 on CPU)."""
+    """Weight/activation dtype; "auto" takes the checkpoint's `torch_dtype` (on the CPU: bfloat16
+    only where the CPU computes in it, float32 otherwise; see `loader.resolve_dtype`)."""
     device: str = "cpu"
     """Torch device string: "cpu" or "cuda[:i]"."""
     seed: int = 0

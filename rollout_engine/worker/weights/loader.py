@@ -3,6 +3,7 @@ registry against the implementation that will run it, its dtype, and its tensors
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 
@@ -11,6 +12,8 @@ import torch
 from rollout_engine.protocol import ModelLoadError
 from rollout_engine.worker.models.registry import check_hf_config
 from rollout_engine.worker.weights.checkpoint import iterate_checkpoint_slices
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -33,15 +36,29 @@ def load_hf_config(model_dir: str, model_impl: str = "auto"):
 
 
 def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
-    """"auto" takes the checkpoint's dtype on GPU and float32 on CPU."""
+    """"auto": on a GPU the checkpoint's dtype; on the CPU bfloat16 for a bfloat16 checkpoint
+    where the CPU computes in bfloat16 (vLLM's CPU default), float32 otherwise: without bfloat16
+    arithmetic oneDNN emulates it, hundreds of times slower than float32 (measured on AVX2:
+    0.3 against 180 GFLOP/s, `benchmarks/roofline.py`)."""
     if dtype != "auto":
         return _DTYPES[dtype]
-    if device.type == "cpu":
-        return torch.float32
     checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(checkpoint_dtype, str):
         checkpoint_dtype = _DTYPES.get(checkpoint_dtype, torch.float32)
-    return checkpoint_dtype or torch.bfloat16
+    if device.type != "cpu":
+        return checkpoint_dtype or torch.bfloat16
+    if checkpoint_dtype == torch.bfloat16 and cpu_computes_bf16():
+        return torch.bfloat16
+    if checkpoint_dtype == torch.bfloat16:
+        logger.info("a bfloat16 checkpoint runs in float32: this CPU has no bfloat16 arithmetic "
+                    "(AVX-512 BF16)")
+    return torch.float32
+
+
+def cpu_computes_bf16() -> bool:
+    """Whether this CPU has bfloat16 arithmetic (AVX-512 BF16; AMX CPUs have it too)."""
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(probe is not None and probe())
 
 
 def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
