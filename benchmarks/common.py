@@ -75,6 +75,15 @@ def kv_bytes_per_token(model_dir: str, dtype: torch.dtype) -> int:
     return KVCacheSpec.from_model(config, block_size=1, dtype=dtype).bytes_per_token
 
 
+def kv_cache_bytes_for(model_dir: str, num_rows: int, max_len: int,
+                       dtype: torch.dtype | None = None) -> int:
+    """A KV pool with room for every row's whole sequence (no preemption), plus a little."""
+    import torch
+
+    per_token = kv_bytes_per_token(model_dir, dtype or torch.float32)
+    return int(per_token * num_rows * (max_len + 32) * 1.1)
+
+
 def vllm_available() -> bool:
     return VLLM_PYTHON.exists()
 

@@ -28,7 +28,7 @@ import torch
 from benchmarks.common import (
     add_grpo_workload_args,
     add_model_args,
-    kv_bytes_per_token,
+    kv_cache_bytes_for,
     left_padded,
     make_prompts,
     run_vllm,
@@ -71,7 +71,8 @@ def run_engine(model_dir: str, prompts, args, max_tokens: int) -> Run:
     num_rows = len(prompts) * args.n
     llm = LLM(model_dir, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=num_rows, max_model_len=args.max_prompt_len + max_tokens + 16,
-              kv_cache_bytes=kv_cache_bytes(model_dir, num_rows, args.max_prompt_len + max_tokens),
+              kv_cache_bytes=kv_cache_bytes_for(model_dir, num_rows,
+                                                args.max_prompt_len + max_tokens),
               cpu_threads=args.threads)
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
                             seed=args.seed)
@@ -101,12 +102,6 @@ def run_engine(model_dir: str, prompts, args, max_tokens: int) -> Run:
                1e3 * host_s / num_steps[0], host_s / elapsed)
 
 
-def kv_cache_bytes(model_dir: str, num_rows: int, max_len: int) -> int:
-    """Room for every sample's whole sequence (no preemption), plus a little."""
-    per_token = kv_bytes_per_token(model_dir, torch.float32)
-    return int(per_token * num_rows * (max_len + 32) * 1.1)
-
-
 @torch.inference_mode()
 def run_hf_generate(model_dir: str, prompts, args, max_tokens: int) -> Run:
     """TRL's default path: one left-padded batch, `num_return_sequences=n`."""
@@ -125,7 +120,7 @@ def run_hf_generate(model_dir: str, prompts, args, max_tokens: int) -> Run:
 
 def run_vllm_peer(model_dir: str, prompts, args, max_tokens: int) -> Run:
     num_rows = len(prompts) * args.n
-    kv_gib = kv_cache_bytes(model_dir, num_rows, args.max_prompt_len + max_tokens) / 1024**3
+    kv_gib = kv_cache_bytes_for(model_dir, num_rows, args.max_prompt_len + max_tokens) / 1024**3
     result = run_vllm(model_dir, prompts, n=args.n, max_tokens=max_tokens,
                       max_model_len=args.max_prompt_len + max_tokens + 16,
                       max_num_batched_tokens=args.max_num_batched_tokens, threads=args.threads,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import platform
-import random
 import tempfile
 import time
 from collections import defaultdict
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from benchmarks.common import add_model_args, kv_bytes_per_token
+from benchmarks.common import add_model_args, kv_bytes_per_token, kv_cache_bytes_for, make_prompts
 from rollout_engine import LLM, SamplingParams
 from rollout_engine.tiny_model import build_tiny_model
 from rollout_engine.worker.models import decoder as decoder_module
@@ -227,17 +226,16 @@ class WorkloadResult:
 
 def run_workload(name: str, model_dir: str, args) -> WorkloadResult:
     num_prompts, n, (shortest, longest), new_tokens = WORKLOADS[name]
-    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(shortest, longest))]
-               for _ in range(num_prompts)]
+    workload = argparse.Namespace(num_prompts=num_prompts, min_prompt_len=shortest,
+                                  max_prompt_len=longest, seed=args.seed)
+    prompts = make_prompts(workload, AutoConfig.from_pretrained(model_dir).vocab_size)
     dtype = DTYPES[args.dtype]
     max_len = longest + new_tokens + 16
     rows = num_prompts * n
     llm = LLM(model_dir, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size,
               max_num_seqs=rows, max_model_len=max_len, cpu_threads=args.threads,
-              kv_cache_bytes=int(kv_bytes_per_token(model_dir, dtype) * rows * (max_len + 32) * 1.1))
+              kv_cache_bytes=kv_cache_bytes_for(model_dir, rows, max_len, dtype))
     try:
         llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up
         params = SamplingParams(n=n, temperature=1.0, max_tokens=new_tokens, ignore_eos=True,
