@@ -6,10 +6,12 @@
 #   bash scripts/gpu_check.sh
 #
 # It uses the machine's own Python and torch ($PYTHON, default python3): no virtualenv, no
-# torch install, no network. Pure-Python packages that machine lacks (grpcio-health-checking,
-# -reflection, -status, and the grpcio/protobuf our stubs were generated with) travel in
-# .gpu-wheels/ (git-ignored; `bash scripts/fetch_gpu_wheels.sh` fills it where there is a
-# network) and are installed into a private folder on PYTHONPATH.
+# torch install, no network. The packages that machine lacks or holds in other versions (the
+# gRPC stack with its health/reflection/status parts, transformers at our pin, the HTTP stack,
+# pytest, llguidance: about 45 MB) travel in .gpu-wheels/ (git-ignored;
+# `bash scripts/fetch_gpu_wheels.sh` fills it where there is a network) and are installed into
+# a private temporary folder put first on PYTHONPATH. Point GPU_CHECK_LOG_DIR at what comes
+# back from the machine: it holds only logs.
 #
 # A group FAILS when a file of it cannot be collected, when it collects no test, when a test
 # fails, or, on a GPU, when a test is skipped (a GPU test that skips on a GPU did not run).
@@ -70,10 +72,13 @@ carry_wheels() {
     echo "no carried wheels in .gpu-wheels/: using the packages $PY has"
     return
   fi
-  echo "installing ${#wheels[@]} carried wheels into $LOG_DIR/site (no index, no deps)"
+  # Not under LOG_DIR: the logs are what a caller copies back, the packages are not.
+  local site
+  site=$(mktemp -d -t gpu_check_site.XXXXXX)
+  echo "installing ${#wheels[@]} carried wheels into $site (no index, no deps)"
   "$PY" -m pip install -q --no-index --no-deps --disable-pip-version-check \
-    --target "$LOG_DIR/site" "${wheels[@]}" || echo "WARNING: installing the carried wheels failed"
-  export PYTHONPATH="$LOG_DIR/site:$PYTHONPATH"
+    --target "$site" "${wheels[@]}" || echo "WARNING: installing the carried wheels failed"
+  export PYTHONPATH="$site:$PYTHONPATH"
 }
 
 run_group() {  # run_group NAME FILES

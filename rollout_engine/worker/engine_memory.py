@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Literal
 
@@ -16,6 +17,7 @@ from rollout_engine.protocol import (
     MemoryState,
     SleepLevel,
     TagMemoryState,
+    UnavailableError,
 )
 
 # Why the weights' contents are not valid, for the error a caller sees.
@@ -34,6 +36,18 @@ class EngineMemory:
         self.manager = MemoryManager(device, event_log)
         self._weights_discard_cause: _DiscardCause | None = None
         self._is_ready = True
+        self._is_closed = False
+        # Python's garbage collector never gives driver memory (CUDA virtual memory) back:
+        # an engine dropped without shutdown() frees its pools when it is collected. Not at
+        # exit, where the process gives everything back and the driver may be gone first.
+        self._free_pools = weakref.finalize(self, self.manager.close)
+        self._free_pools.atexit = False
+
+    def close(self) -> None:
+        """Free both pools for good (the engine's shutdown); its tensors must not be used
+        afterwards, and `check_ready()` says so. Idempotent."""
+        self._is_ready, self._is_closed = False, True
+        self._free_pools()
 
     # ------------------------------------------------------------------ pools
     def create_weights_pool(self, num_bytes: int) -> MemoryPool:
@@ -103,6 +117,8 @@ class EngineMemory:
         """EngineSleepingError saying what to call, unless the model may run."""
         if self._is_ready:
             return
+        if self._is_closed:
+            raise UnavailableError("the engine is shut down: its memory is freed; build a new one")
         problems = [p for p in (self._weights_problem(), self._kv_problem()) if p]
         raise EngineSleepingError("cannot generate: " + "; and ".join(problems))
 

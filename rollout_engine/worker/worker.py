@@ -169,8 +169,11 @@ class Worker:
                                    cache_config.gpu_memory_utilization)
 
     def shutdown(self) -> None:
-        """Nothing to stop for a single process (tensor parallelism's rank 0 stops the
-        other ranks here)."""
+        """Free the weights and KV pools for good (tensor parallelism's rank 0 also stops
+        the other ranks here); the worker cannot run afterwards."""
+        self.memory.close()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the activations' cached blocks, too
 
     # ------------------------------------------------------------------ memory
     def sleep(self, level: SleepLevel) -> None:

@@ -39,7 +39,9 @@ class ServerProcess:
             sys.executable, "-m", "rollout_engine.cli", "serve", "--model", str(model_dir),
             "--host", "127.0.0.1", "--port", "0", *engine_flags(ENGINE_OPTIONS), *extra_args,
         ]
-        env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **(env or {})}
+        python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        env.update(PYTHONPATH=python_path, PYTHONUNBUFFERED="1")
         # A file, not a pipe: the server never blocks on output nobody reads.
         self._log = open(log_path, "w")  # noqa: SIM115 - lives as long as the server
         self.process = subprocess.Popen(

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.gpu
 
 
 def greedy(model_dir, dtype: str, prompts, **options):
-    llm = LLM(str(model_dir), device="cuda", dtype=dtype, **options)
+    # Engines of a test live side by side (freed after it, tests/gpu/conftest.py): a small KV.
+    llm = LLM(str(model_dir), device="cuda", dtype=dtype, kv_cache_bytes=64 << 20, **options)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     return llm, [o.outputs[0] for o in llm.generate(prompts, params)]
 

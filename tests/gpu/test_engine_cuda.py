@@ -15,6 +15,7 @@ from tests.integration.test_parity import PROMPTS
 pytestmark = pytest.mark.gpu
 
 MAX_NEW_TOKENS = 24
+KV_CACHE_BYTES = 64 << 20
 SETTINGS = {
     "default": {},
     "chunked_prefill": {"max_num_batched_tokens": 16},
@@ -23,9 +24,13 @@ SETTINGS = {
 
 
 def greedy(model_dir, device: str, options: dict):
+    # The default KV sizing (gpu_memory_utilization of the device) is what runs here.
     llm = LLM(str(model_dir), device=device, dtype="float32", **options)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    return [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    try:
+        return [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    finally:
+        llm.shutdown()  # half of the GPU's memory each: freed before the next engine
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
@@ -44,9 +49,16 @@ def test_cuda_bfloat16_triton_attention_agrees_with_reference_attention(llama_di
     # Same device, same dtype, only the attention differs; bf16 rounding may flip a
     # near-tie, so ask for agreement on the first token of nearly every prompt.
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    with_triton = LLM(str(llama_dir), device="cuda", dtype="bfloat16").generate(PROMPTS, params)
+    def generate() -> list:
+        llm = LLM(str(llama_dir), device="cuda", dtype="bfloat16", kv_cache_bytes=KV_CACHE_BYTES)
+        try:
+            return llm.generate(PROMPTS, params)
+        finally:
+            llm.shutdown()
+
+    with_triton = generate()
     monkeypatch.setattr(kernels.dispatch, "_use_triton", lambda t: False)
-    with_ref = LLM(str(llama_dir), device="cuda", dtype="bfloat16").generate(PROMPTS, params)
+    with_ref = generate()
     pairs = [(a.outputs[0], b.outputs[0]) for a, b in zip(with_triton, with_ref)]
     agree = [(a, b) for a, b in pairs if a.token_ids[0] == b.token_ids[0]]
     assert len(agree) >= len(PROMPTS) - 1, f"{len(agree)}/{len(PROMPTS)} first tokens agree"

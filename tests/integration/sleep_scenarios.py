@@ -199,12 +199,44 @@ def cycles(model_dir: str, num_cycles: int = 500) -> dict[str, Any]:
     }
 
 
+def shutdown(model_dir: str) -> dict[str, Any]:
+    """shutdown() frees both pools for good; an engine dropped without it frees them when it is
+    collected (driver memory, unlike these mappings, is never reclaimed by the collector: the
+    manager is held here so that only the engine's own finalizer can free the pools)."""
+    llm = LLM(model_dir, kv_cache_bytes=KV_CACHE_BYTES)
+    greedy_tokens(llm)
+    pool_bytes, rss_awake = llm.memory_state().pool_bytes, private_rss_bytes()
+    llm.shutdown()
+    rss_shut = private_rss_bytes()
+    try:
+        llm.generate(PROMPTS, GREEDY)
+        error_after_shutdown = None
+    except Exception as exc:  # noqa: BLE001 - the type is the result
+        error_after_shutdown = type(exc).__name__
+    del llm
+    dropped = LLM(model_dir, kv_cache_bytes=KV_CACHE_BYTES)
+    greedy_tokens(dropped)
+    manager, rss_dropped_awake = dropped.engine.worker.memory.manager, private_rss_bytes()
+    del dropped
+    gc.collect()
+    return {
+        "pool_bytes": pool_bytes,
+        "rss_awake": rss_awake,
+        "rss_shut": rss_shut,
+        "error_after_shutdown": error_after_shutdown,
+        "rss_dropped_awake": rss_dropped_awake,
+        "rss_dropped": private_rss_bytes(),
+        "tags_after_drop": manager.tags(),
+    }
+
+
 SCENARIOS: dict[str, Callable[[str], dict[str, Any]]] = {
     "level2": level2,
     "release_kv": release_kv,
     "level1": level1,
     "levels_from_trainer": levels_from_trainer,
     "cycles": cycles,
+    "shutdown": shutdown,
 }
 
 

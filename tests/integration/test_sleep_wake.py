@@ -233,7 +233,8 @@ def scenarios(tmp_path_factory, llama_dir) -> Iterator[dict[str, subprocess.Pope
     model_dir = build_tiny_model(
         tmp_path_factory.mktemp("small") / "llama", "llama", "small", num_hidden_layers=4
     )
-    processes = {name: start_scenario(name, model_dir) for name in ("level2", "release_kv", "level1")}
+    processes = {name: start_scenario(name, model_dir)
+                 for name in ("level2", "release_kv", "level1", "shutdown")}
     processes["cycles"] = start_scenario("cycles", llama_dir)
     yield processes
     for process in processes.values():
@@ -283,3 +284,12 @@ def test_500_sleep_wake_cycles_do_not_grow_resident_memory(scenarios):
     # the bound), all of it the allocator settling in the first cycles; a leak grows in both
     # halves of the run.
     assert leak_bytes(result["private_rss_bytes"]) < max_leak_bytes(500), result
+
+
+def test_shutdown_frees_both_pools_and_so_does_collecting_a_dropped_engine(scenarios):
+    result = scenario_result(scenarios["shutdown"])
+    pool_bytes = sum(result["pool_bytes"].values())
+    assert result["rss_awake"] - result["rss_shut"] >= 0.95 * pool_bytes, result
+    assert result["error_after_shutdown"] == "UnavailableError", result
+    assert result["rss_dropped_awake"] - result["rss_dropped"] >= 0.95 * pool_bytes, result
+    assert result["tags_after_drop"] == [], result

@@ -95,7 +95,8 @@ def test_interpreter_exit_stops_the_ranks(llama_dir):
         f"    llm = LLM({str(llama_dir)!r}, tensor_parallel_size=2, kv_cache_bytes=1 << 20)\n"
         "    print(llm.engine.worker.ranks.processes[0].pid, flush=True)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": python_path}
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
         check=False,

@@ -158,10 +158,12 @@ class DriverWorker(Worker):
         return [self.memory_state(), *self.call_ranks("memory_state")]
 
     def shutdown(self) -> None:
-        """Stop the other ranks' processes and leave the group."""
+        """Stop the other ranks' processes, leave the group and free this rank's pools."""
         self.ranks.shutdown()
         if getattr(self, "tp", None) is not None:
             self.tp.abort()
+        if hasattr(self, "memory"):  # not when loading failed before the pools existed
+            super().shutdown()
 
 
 def _collective_failure(what: str, exc: BaseException, silent_ranks: list[int]) -> BaseException:
