@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from rollout_engine.parsing import REASONING_PARSERS, TOOL_PARSERS
 from rollout_engine.protocol import DEFAULT_MAX_MESSAGE_BYTES, EngineError
 
 Runner = Callable[[argparse.Namespace], int]
@@ -237,6 +238,16 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     http.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                       help="serve GET /tokenizer_info (the tokenizer's configuration and chat "
                       "template)")
+    agents = parser.add_argument_group("agents (chat tool calls and reasoning, vLLM's flags)")
+    agents.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='parse the tool calls of chat requests with tool_choice "auto"')
+    agents.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                        help="the format of the model's tool calls; 'required' and named "
+                        "tool choices are generated in it (hermes, llama3_json)")
+    agents.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                        help="split <think> reasoning from the answer (message.reasoning)")
+    agents.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                        help='render no tools into the prompt when tool_choice is "none"')
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                         default="auto", help="(default: %(default)s)")
@@ -342,6 +353,10 @@ def _run_serve(args: argparse.Namespace) -> int:
             served_model_names=tuple(args.served_model_name),
             trust_request_chat_template=args.trust_request_chat_template,
             enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         )
         engine_config = EngineConfig.from_kwargs(args.model, **options)
     except ValueError as exc:

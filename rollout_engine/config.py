@@ -258,6 +258,15 @@ class ServerConfig:
     enable_tokenizer_info_endpoint: bool = False
     """Serve `GET /tokenizer_info` (vLLM's flag): the tokenizer's configuration, chat template
     included."""
+    enable_auto_tool_choice: bool = False
+    """Parse the tool calls of chat requests whose `tool_choice` is "auto" (vLLM's flag)."""
+    tool_call_parser: str | None = None
+    """The format tool calls are read in, and written in for "required" and named choices:
+    hermes, qwen3_xml, qwen3_coder, llama3_json, pythonic, mistral (vLLM's names)."""
+    reasoning_parser: str | None = None
+    """Split the reasoning (`<think> ... </think>`) from the answer: qwen3, deepseek_r1."""
+    exclude_tools_when_tool_choice_none: bool = False
+    """With `tool_choice` "none", render the prompt without the tools (vLLM's flag)."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
@@ -275,13 +284,21 @@ class ServerConfig:
         self._check_http()
 
     def _check_http(self) -> None:
+        from rollout_engine.parsing import ChatParsing  # checks the parser names
+
+        ChatParsing(self.reasoning_parser, self.tool_call_parser)
+        _require(not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+                 "--enable-auto-tool-choice needs --tool-call-parser (the format to read)")
         if self.http_port is None:
             http_only = (self.api_key is not None, self.enable_control_endpoints,
-                         self.trust_request_chat_template, self.enable_tokenizer_info_endpoint)
+                         self.trust_request_chat_template, self.enable_tokenizer_info_endpoint,
+                         self.enable_auto_tool_choice, self.tool_call_parser is not None,
+                         self.reasoning_parser is not None,
+                         self.exclude_tools_when_tool_choice_none)
             _require(not any(http_only),
-                     "--api-key, --enable-control-endpoints, --trust-request-chat-template and "
-                     "--enable-tokenizer-info-endpoint apply to the HTTP server: set "
-                     "--http-port too")
+                     "--api-key, --enable-control-endpoints, --trust-request-chat-template, "
+                     "--enable-tokenizer-info-endpoint and the tool and reasoning parser flags "
+                     "apply to the HTTP server: set --http-port too")
             return
         _require(0 <= self.http_port <= 65535,
                  f"http_port must be in [0, 65535], got {self.http_port}")

@@ -43,7 +43,7 @@ REFUSED_FIELDS: dict[str, str] = {
 """Fields refused unless left at their default, and why."""
 IGNORED_FIELDS: tuple[str, ...] = (
     "user", "request_id", "session_id", "stream_interval", "return_token_offsets",
-    "return_mm_kwargs", "parallel_tool_calls", "include_reasoning",
+    "return_mm_kwargs",
 )
 """Accepted and without effect: identities, and output shaping this server has no use for."""
 

@@ -3,8 +3,8 @@ completions of it, answered as `vllm serve` answers: the assistant message per c
 `token_ids` and the response's `prompt_token_ids` with `return_token_ids`, chat-form logprobs
 (`logprobs` / `top_logprobs`), and server-sent events with `stream`.
 
-Tools are rendered into the prompt; the server parses no tool calls (as `vllm serve` without
-`--enable-auto-tool-choice`): `tool_choice` must be "none", and the calls are in the text."""
+Tools are rendered into the prompt; with `--tool-call-parser` and `--reasoning-parser` the
+answer's calls and reasoning are parsed out of the text (`chat_tools.py`)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,16 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from rollout_engine.parsing import ChatParser
 from rollout_engine.protocol import (
     CompletionOutput,
-    InvalidRequestError,
     RequestOutput,
     RequestOutputKind,
     SamplingParams,
 )
 from rollout_engine.server.http.api_models import ChatCompletionRequest
 from rollout_engine.server.http.chat_template import RenderedChat
+from rollout_engine.server.http.chat_tools import ChatTools, finish_reason
 from rollout_engine.server.http.completions import usage
 from rollout_engine.server.http.context import ServingContext, serving
 from rollout_engine.server.http.error_responses import json_response
@@ -45,58 +46,40 @@ async def create_chat_completion(raw_request: Request) -> Response:
     ctx = serving(raw_request)
     request = await read_json(raw_request, ChatCompletionRequest, ctx.config.max_message_bytes)
     ctx.check_model(request.model)
-    check_tool_choice(request)
-    prompt = await ctx.render_chat(request, fit_model=request.truncate_prompt_tokens is None)
-    params = chat_params(request, len(prompt.token_ids), ctx.max_model_len)
+    tools = ChatTools.for_request(request, ctx.config)
+    prompt = await ctx.render_chat(tools.prompt_request(),
+                                   fit_model=request.truncate_prompt_tokens is None)
+    params = tools.constrain(chat_params(request, len(prompt.token_ids), ctx.max_model_len))
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
     generation = ctx.engine.generate([prompt.token_ids], [params], kind, "chatcmpl")
     if request.stream:
-        events = ChatStream(ctx, request, response_id, prompt, params).events(generation)
+        events = ChatStream(ctx, tools, response_id, prompt, params).events(generation)
         await generation.start()  # admission and the engine's checks answer with a status
         return EventStreamResponse(events, generation.close)
     (output,) = await until_disconnected(raw_request, generation.final_outputs())
-    return json_response(chat_response(ctx, request, response_id, prompt, output))
+    return json_response(chat_response(ctx, tools, response_id, prompt, output))
 
 
-def check_tool_choice(request: ChatCompletionRequest) -> None:
-    """vLLM's default is "auto" when tools are given, which needs a tool-call parser; this
-    server has none, so only "none" is taken (TRL's VLLMClient sends it). A named tool that is
-    not among `tools` gets vLLM's own message."""
-    choice = request.tool_choice
-    if choice is None:
-        choice = "auto" if request.tools else "none"
-    if isinstance(choice, dict) and not _names_a_given_tool(choice, request.tools or []):
-        raise InvalidRequestError("The tool specified in `tool_choice` does not match any of "
-                                  "the specified `tools`")
-    if choice != "none":
-        raise InvalidRequestError(
-            f"tool_choice {choice!r} needs a tool-call parser, which this server does not "
-            "have: send tool_choice 'none' (the tools are rendered into the prompt and the "
-            "model's calls come back in the message text)")
-
-
-def _names_a_given_tool(choice: dict, tools: list) -> bool:
-    function = choice.get("function")
-    name = function.get("name") if isinstance(function, dict) else None
-    return any(isinstance(tool, dict) and isinstance(tool.get("function"), dict)
-               and tool["function"].get("name") == name for tool in tools)
-
-
-def chat_response(ctx: ServingContext, request: ChatCompletionRequest, response_id: str,
+def chat_response(ctx: ServingContext, tools: ChatTools, response_id: str,
                   prompt: RenderedChat, output: RequestOutput) -> dict:
+    request = tools.request
     texts = TokenTexts(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
     prefix = _echo_prefix(request)
     prompt = as_run(ctx, prompt, output)
     choices = []
     for completion in output.outputs:
+        parser = tools.parser(prompt.text)
+        message = ({"role": ROLE, "content": prefix + completion.text} if parser is None
+                   else tools.message(parser, completion.text, prefix))
         choices.append({
             "index": completion.index,
-            "message": {"role": ROLE, "content": prefix + completion.text},
+            "message": message,
             "logprobs": None if not request.logprobs else chat_logprobs(
                 completion.token_ids, completion.top_logprobs or [], request.top_logprobs or 0,
                 texts),
-            "finish_reason": completion.finish_reason,
+            "finish_reason": finish_reason(completion.finish_reason,
+                                           bool(message.get("tool_calls"))),
             "stop_reason": completion.stop_reason,
             "token_ids": completion.token_ids if request.return_token_ids else None,
         })
@@ -140,9 +123,13 @@ class ChatStream:
     sample of each output (the engine's DELTA outputs carry only the samples with news); a
     usage chunk last if asked for."""
 
-    def __init__(self, ctx: ServingContext, request: ChatCompletionRequest, response_id: str,
+    def __init__(self, ctx: ServingContext, tools: ChatTools, response_id: str,
                  prompt: RenderedChat, params: SamplingParams) -> None:
-        self.ctx, self.request, self.prompt, self.params = ctx, request, prompt, params
+        self.ctx, self.tools, self.prompt, self.params = ctx, tools, prompt, params
+        self.request = request = tools.request
+        self.parsers: dict[int, ChatParser] = {}
+        """Each choice's parser, with parsing on; built when the run prompt is known."""
+        self.num_tool_calls = [0] * params.n
         self.header = {"id": response_id, "object": "chat.completion.chunk",
                        "created": int(time.time()), "model": ctx.model_name}
         self.texts = TokenTexts(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
@@ -160,7 +147,9 @@ class ChatStream:
                     for j in range(self.params.n):
                         yield event(self._first_chunk(j))
                 for completion in output.outputs:
-                    yield event(self._chunk(completion))
+                    chunk = self._chunk(completion)
+                    if chunk is not None:
+                        yield event(chunk)
             if self.include_usage:
                 yield event({**self.header, "choices": [], "usage": self._usage()})
         finally:
@@ -176,13 +165,21 @@ class ChatStream:
             chunk["prompt_text"] = self.prompt.text
         return chunk
 
-    def _chunk(self, completion: CompletionOutput) -> dict:
+    def _chunk(self, completion: CompletionOutput) -> dict | None:
+        """The chunk of one sample's news; None when parsing held all of its text back and it
+        carries nothing else."""
         self.num_completion_tokens += len(completion.token_ids)
-        choice = {"index": completion.index, "delta": {"content": completion.text},
+        delta = self._delta(completion)
+        reason = finish_reason(completion.finish_reason,
+                               self.num_tool_calls[completion.index] > 0)
+        if not (delta or reason or self.request.logprobs or self.request.return_token_ids
+                or self.continuous_usage):
+            return None
+        choice = {"index": completion.index, "delta": delta,
                   "logprobs": None if not self.request.logprobs else chat_logprobs(
                       completion.token_ids, completion.top_logprobs or [],
                       self.request.top_logprobs or 0, self.texts),
-                  "finish_reason": completion.finish_reason,
+                  "finish_reason": reason,
                   "stop_reason": completion.stop_reason}
         if self.request.return_token_ids:
             choice["token_ids"] = completion.token_ids
@@ -190,6 +187,18 @@ class ChatStream:
         if self.continuous_usage:
             chunk["usage"] = self._usage()
         return chunk
+
+    def _delta(self, completion: CompletionOutput) -> dict:
+        if not self.tools.is_parsing:
+            return {"content": completion.text}
+        parser = self.parsers.get(completion.index)
+        if parser is None:
+            parser = self.parsers[completion.index] = self.tools.parser(self.prompt.text)
+        delta = parser.feed(completion.text)
+        if completion.finish_reason is not None:
+            delta = delta.merge(parser.finish())
+        self.num_tool_calls[completion.index] += len(delta.tool_calls)
+        return self.tools.delta(delta)
 
     def _usage(self) -> dict:
         return usage(len(self.prompt.token_ids), self.num_completion_tokens)

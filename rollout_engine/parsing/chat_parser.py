@@ -1,0 +1,69 @@
+"""One completion's assistant message: the reasoning parser takes its part of the text
+first, the tool parser reads the answer that is left."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rollout_engine.parsing.messages import MessageDelta, ParsedMessage
+from rollout_engine.parsing.reasoning import REASONING_PARSERS, ReasoningParser
+from rollout_engine.parsing.tool_parsers import TOOL_PARSERS, ToolParser
+
+
+class ChatParser:
+    """Fed a completion's text piece by piece (`feed`, then `finish` once), or whole
+    (`parse`); either way in time linear in the text."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
+        self.reasoning, self.tools = reasoning, tools
+
+    def feed(self, text: str) -> MessageDelta:
+        delta = self.reasoning.feed(text) if self.reasoning else MessageDelta(text)
+        return self._read_answer(delta, finish=False)
+
+    def finish(self) -> MessageDelta:
+        delta = self.reasoning.finish() if self.reasoning else MessageDelta()
+        return self._read_answer(delta, finish=True)
+
+    def parse(self, text: str) -> ParsedMessage:
+        return ParsedMessage.fold([self.feed(text), self.finish()])
+
+    def _read_answer(self, delta: MessageDelta, finish: bool) -> MessageDelta:
+        if self.tools is None:
+            return delta
+        answer = self.tools.feed(delta.content) if delta.content else MessageDelta()
+        if finish:
+            answer = answer.merge(self.tools.finish())
+        return MessageDelta(answer.content, delta.reasoning, answer.tool_calls)
+
+
+@dataclass(frozen=True)
+class ChatParsing:
+    """A server's parsers (vLLM's `--reasoning-parser` and `--tool-call-parser`), by name,
+    checked once; `parser(...)` builds one completion's ChatParser."""
+
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        for kind, name, known in (("reasoning", self.reasoning_parser, REASONING_PARSERS),
+                                  ("tool-call", self.tool_call_parser, TOOL_PARSERS)):
+            if name is not None and name not in known:
+                raise ValueError(f"unknown {kind} parser {name!r}; choose from {sorted(known)}")
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        """False where the tool format's markers are special tokens."""
+        return self.tool_call_parser is None or TOOL_PARSERS[self.tool_call_parser].skip_special_tokens
+
+    def is_active(self, parse_calls: bool) -> bool:
+        return self.reasoning_parser is not None or (parse_calls and self.tool_call_parser is not None)
+
+    def parser(self, prompt_text: str, tools: Sequence[dict] | None, parse_calls: bool
+               ) -> ChatParser:
+        reasoning = (REASONING_PARSERS[self.reasoning_parser](prompt_text)
+                     if self.reasoning_parser else None)
+        tool_parser = (TOOL_PARSERS[self.tool_call_parser](tools or ())
+                       if parse_calls and self.tool_call_parser else None)
+        return ChatParser(reasoning, tool_parser)

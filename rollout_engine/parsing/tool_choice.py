@@ -1,0 +1,113 @@
+"""What a chat request's `tool_choice` asks of the engine: whether the template sees the
+tools, whether the output is parsed for calls, and, for "required" and a named function, the
+grammar that makes the model write its calls in the parser's own format (so a call always
+parses and its arguments match the tool's schema: the format the policy is trained on, not a
+bare JSON array as vLLM constrains it)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rollout_engine.protocol import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class ToolChoicePlan:
+    render_tools: bool
+    """Whether the chat template is given the tools."""
+    parse_calls: bool
+    """Whether the output is parsed for tool calls."""
+    grammar: str | None = None
+    """A Lark grammar (llguidance's dialect) the completion must follow, or None."""
+
+
+def call_schema(functions: Sequence[dict], arguments_key: str) -> dict:
+    """The JSON Schema of one call to any of `functions`: `{"name": ..., arguments_key: ...}`
+    with the name first, as the formats write it."""
+    options = [{
+        "type": "object",
+        "properties": {"name": {"const": f["name"]},
+                       arguments_key: f.get("parameters") or {"type": "object"}},
+        "required": ["name", arguments_key],
+        "additionalProperties": False,
+    } for f in functions]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    # json.dumps' separators and no other whitespace: the text the formats are trained on, and
+    # no run of blanks for a sampling model to wander into.
+    return {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
+                                     "key_separator": ": "}}
+
+
+def _lark_calls(call: str, separator: str, parallel: bool) -> str:
+    repeat = f' ("{separator}" call)*' if parallel else ""
+    return f"start: call{repeat}\ncall: {call}\n"
+
+
+def hermes_grammar(functions: Sequence[dict], parallel: bool) -> str:
+    schema = json.dumps(call_schema(functions, "arguments"))
+    return (_lark_calls('"<tool_call>\\n" arguments "\\n</tool_call>"', "\\n", parallel)
+            + f"arguments: %json {schema}\n")
+
+
+def llama3_json_grammar(functions: Sequence[dict], parallel: bool) -> str:
+    schema = json.dumps(call_schema(functions, "parameters"))
+    return _lark_calls("arguments", "; ", parallel) + f"arguments: %json {schema}\n"
+
+
+CALL_GRAMMARS: dict[str, Callable[[Sequence[dict], bool], str]] = {
+    "hermes": hermes_grammar,
+    "llama3_json": llama3_json_grammar,
+}
+"""The parsers whose format can be constrained ("required" and named tool choices)."""
+
+
+def plan_tool_choice(tools: Sequence[dict] | None, tool_choice: Any, parallel_tool_calls: bool,
+                     tool_parser: str | None, enable_auto_tool_choice: bool,
+                     exclude_tools_when_tool_choice_none: bool = False) -> ToolChoicePlan:
+    """The plan for one request (vLLM's rules and messages where it has them);
+    InvalidRequestError for a choice this server cannot honour, saying what to change."""
+    tools = list(tools or [])
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if tool_choice == "none":
+        return ToolChoicePlan(render_tools=not exclude_tools_when_tool_choice_none,
+                              parse_calls=False)
+    if tool_choice == "auto":
+        if not (enable_auto_tool_choice and tool_parser):
+            raise InvalidRequestError('"auto" tool choice requires --enable-auto-tool-choice '
+                                      "and --tool-call-parser to be set")
+        return ToolChoicePlan(render_tools=True, parse_calls=True)
+    functions = [tool["function"] for tool in tools
+                 if isinstance(tool, dict) and isinstance(tool.get("function"), dict)]
+    if tool_choice == "required":
+        if not functions:
+            raise InvalidRequestError('tool_choice "required" needs at least one tool')
+    elif isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        functions = [f for f in functions if f.get("name") == name]
+        if not functions:
+            raise InvalidRequestError("The tool specified in `tool_choice` does not match any "
+                                      "of the specified `tools`")
+    else:
+        raise InvalidRequestError(f"tool_choice must be 'none', 'auto', 'required' or "
+                                  f"{{'type': 'function', 'function': {{'name': ...}}}}, got "
+                                  f"{tool_choice!r}")
+    return ToolChoicePlan(render_tools=True, parse_calls=True,
+                          grammar=_constraint(functions, tool_parser, parallel_tool_calls
+                                              and tool_choice == "required"))
+
+
+def _constraint(functions: Sequence[dict], tool_parser: str | None, parallel: bool) -> str:
+    if tool_parser is None:
+        raise InvalidRequestError(
+            "a 'required' or named tool_choice needs a tool-call parser (--tool-call-parser): "
+            "the calls are generated in that parser's format, the one the model was trained on")
+    grammar = CALL_GRAMMARS.get(tool_parser)
+    if grammar is None:
+        raise InvalidRequestError(
+            f"the {tool_parser!r} tool-call parser cannot constrain calls yet (those that can: "
+            f"{sorted(CALL_GRAMMARS)}); use tool_choice 'auto'")
+    return grammar(functions, parallel)
