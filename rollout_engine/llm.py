@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -9,8 +10,10 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from rollout_engine.config import EngineConfig
+from rollout_engine.engine.chat_template import ChatPrompt, render_chat
 from rollout_engine.engine.llm_engine import LLMEngine
 from rollout_engine.engine.scoring import check_score_request, score_output, score_params
+from rollout_engine.parsing import ChatParsing
 from rollout_engine.protocol import (
     EngineBusyError,
     InvalidRequestError,
@@ -70,6 +73,43 @@ class LLM:
             self.engine.abort_request(request_ids)
             self._drain()
             raise
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        documents: list[dict[str, str]] | None = None,
+        *,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's offline chat: one conversation or a list of them, rendered with the chat
+        template (as `serve` renders them, tools included), then generated. With `tool_parser`
+        and/or `reasoning_parser` (vLLM's parser names), each completion's `message` holds the
+        content, reasoning and tool calls parsed from its text, beside the raw token ids and
+        logprobs a trainer needs."""
+        conversations = ([messages] if messages and isinstance(messages[0], dict)
+                         else list(messages))
+        parsing = ChatParsing(reasoning_parser, tool_parser)
+        prompts = [render_chat(self.engine.processor, ChatPrompt(
+            list(conversation), tools, documents, chat_template, chat_template_kwargs,
+            add_generation_prompt, continue_final_message)) for conversation in conversations]
+        params = _per_prompt_params(sampling_params, len(prompts))
+        if not parsing.skip_special_tokens:  # the tool format is written in special tokens
+            params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
+        outputs = self.generate([prompt.token_ids for prompt in prompts], params, use_tqdm)
+        if parsing.is_active(parse_calls=tool_parser is not None):
+            for prompt, output in zip(prompts, outputs):
+                for completion in output.outputs:
+                    parser = parsing.parser(prompt.text, tools, parse_calls=True)
+                    completion.message = parser.parse(completion.text)
+        return outputs
 
     def score(
         self,

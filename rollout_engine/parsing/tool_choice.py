@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_engine.protocol import InvalidRequestError
+from rollout_engine.protocol.exceptions import InvalidRequestError
 
 
 @dataclass(frozen=True)

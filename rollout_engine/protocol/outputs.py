@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rollout_engine.parsing.messages import ParsedMessage
 from rollout_engine.protocol.sampling_params import KVTransferParams
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -87,6 +88,10 @@ class CompletionOutput:
     """Which weight version sampled which output tokens, over the whole completion so far: one
     span unless the request was kept across a weight update (pause or sleep in "keep" mode).
     Each logprob is the one of the weights that sampled its token."""
+    message: ParsedMessage | None = field(default=None, metadata={"wire": False})
+    """`LLM.chat` with a tool or reasoning parser: the assistant message parsed from `text`
+    (content, reasoning, tool calls), beside the raw token ids and logprobs. Not sent over
+    gRPC: a client parses on its side."""
 
     @property
     def finished(self) -> bool:

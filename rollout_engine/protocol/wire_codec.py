@@ -22,7 +22,7 @@ _T = TypeVar("_T")
 def to_message(obj: Any, message: Any) -> Any:
     """Fill `message` (a protobuf message) from dataclass `obj`; returns `message`."""
     fields = message.DESCRIPTOR.fields_by_name
-    for field in dataclasses.fields(obj):
+    for field in _wire_fields(obj):
         value = getattr(obj, field.name)
         descriptor = fields[field.name]
         if value is None:
@@ -51,7 +51,7 @@ def from_message(message: Any, cls: type[_T]) -> _T:
     fields = message.DESCRIPTOR.fields_by_name
     hints = _type_hints(cls)
     kwargs: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for field in _wire_fields(cls):
         descriptor = fields[field.name]
         if descriptor.has_presence and not message.HasField(field.name):
             continue  # an unset optional scalar or nested message
@@ -72,6 +72,12 @@ def from_message(message: Any, cls: type[_T]) -> _T:
             value = from_message(value, _without_none(hints[field.name]))
         kwargs[field.name] = value
     return cls(**kwargs)
+
+
+def _wire_fields(obj_or_cls: Any) -> list[dataclasses.Field]:
+    """The fields that travel: not those marked `metadata={"wire": False}` (views built on
+    one side, such as a parsed chat message)."""
+    return [f for f in dataclasses.fields(obj_or_cls) if f.metadata.get("wire", True)]
 
 
 def _is_map(descriptor: Any) -> bool:

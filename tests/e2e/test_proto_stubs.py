@@ -20,12 +20,13 @@ def test_stubs_are_up_to_date():
 
 
 def test_client_side_never_imports_the_engine():
-    """trainer_bridge shares the engine's wire types and codec, and nothing else of it."""
+    """trainer_bridge shares the engine's wire types and codec, and its chat parsers (pure
+    Python), and nothing else of it."""
     code = (
         "import sys, trainer_bridge, trainer_bridge.client, trainer_bridge.transports\n"
-        "shared = {'rollout_engine', 'rollout_engine.protocol'}\n"
-        "engine = [m for m in sys.modules if m.startswith('rollout_engine') and m not in shared\n"
-        "          and not m.startswith('rollout_engine.protocol.')]\n"
+        "shared = ('rollout_engine.protocol', 'rollout_engine.parsing')\n"
+        "engine = [m for m in sys.modules if m.startswith('rollout_engine')\n"
+        "          and m != 'rollout_engine' and not m.startswith(shared)]\n"
         "assert not engine, f'engine imported: {engine}'"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=120)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from rollout_engine.engine.chat_template import RenderedChat
 from rollout_engine.parsing import ChatParser
 from rollout_engine.protocol import (
     CompletionOutput,
@@ -24,7 +25,6 @@ from rollout_engine.protocol import (
     SamplingParams,
 )
 from rollout_engine.server.http.api_models import ChatCompletionRequest
-from rollout_engine.server.http.chat_template import RenderedChat
 from rollout_engine.server.http.chat_tools import ChatTools, finish_reason
 from rollout_engine.server.http.completions import usage
 from rollout_engine.server.http.context import ServingContext, serving

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rollout_engine.config import is_loopback_host
+from rollout_engine.engine.chat_template import RenderedChat, render_chat
 from rollout_engine.engine.input_processor import InputProcessor
 from rollout_engine.protocol import InvalidRequestError
-from rollout_engine.server.http.chat_template import RenderedChat, render_chat
 from rollout_engine.server.http.error_responses import UnknownModelError
 from rollout_engine.server.http.metrics import VllmMetrics
 from rollout_engine.server.http.off_loop import OffLoopPool

@@ -7,7 +7,7 @@ text, then tokenized without special tokens unless `add_special_tokens`. The sam
 As vLLM: `developer` messages become `system` ones for a template that does not know the role,
 and tools reach the template as `{"type": "function", "function": {"name", "description",
 "parameters"}}` and nothing else. Rendering is blocking work: the server runs it off its event
-loop (`ServingContext.render_chat`)."""
+loop (`ServingContext.render_chat`); `LLM.chat` renders a `ChatPrompt` with the same code."""
 
 from __future__ import annotations
 
@@ -32,8 +32,24 @@ class RenderedChat:
     token_ids: list[int]
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation and the options `render_chat` reads (the HTTP chat request carries the
+    same fields)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    reasoning_effort: str | None = None
+
+
 def render_chat(processor: InputProcessor, request, fit_model: bool = True) -> RenderedChat:
-    """The prompt of a chat request (ChatCompletionRequest or TokenizeChatRequest);
+    """The prompt of a chat request (ChatPrompt, ChatCompletionRequest or TokenizeChatRequest);
     InvalidRequestError for messages, tools or a template that cannot render, and with
     `fit_model` for a prompt too long for the model in any tokenization."""
     tokenizer = processor.tokenizer

@@ -1,0 +1,64 @@
+"""`LLM.chat` (vLLM's offline chat): conversations rendered as `serve` renders them, and with
+vLLM's parser names each completion's parsed message beside its raw tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from rollout_engine import LLM, SamplingParams
+from rollout_engine.protocol import StructuredOutputsParams
+
+TEMPLATE = ("{% for tool in tools or [] %}[{{ tool.function.name }}]{% endfor %}"
+            "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|><think>\n{% endif %}")
+"""Opens the reasoning block in the prompt, as thinking templates do."""
+TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {
+    "type": "object", "properties": {"query": {"type": "string"}}}}}]
+ANSWER = ('Plan: search.</think>\n\n<tool_call>\n{"name": "search", "arguments": {"query": '
+          '"café"}}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), kv_cache_bytes=8 << 20, max_model_len=256)
+
+
+def forced(text: str) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=120,
+                          structured_outputs=StructuredOutputsParams(choice=[text]))
+
+
+def test_chat_parses_reasoning_and_calls_beside_the_raw_tokens(llm, llama_dir):
+    conversation = [{"role": "user", "content": "find cafés"}]
+    (output,) = llm.chat(conversation, forced(ANSWER), chat_template=TEMPLATE, tools=TOOLS,
+                         tool_parser="hermes", reasoning_parser="qwen3")
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    expected_prompt = tokenizer.apply_chat_template(
+        conversation, tools=TOOLS, chat_template=TEMPLATE, add_generation_prompt=True,
+        tokenize=False)
+    assert output.prompt_token_ids == tokenizer.encode(expected_prompt, add_special_tokens=False)
+    (completion,) = output.outputs
+    assert completion.text == ANSWER and tokenizer.decode(completion.token_ids[:-1]) == ANSWER
+    message = completion.message
+    assert message.reasoning == "Plan: search." and message.content is None
+    (call,) = message.tool_calls
+    assert (call.name, json.loads(call.arguments)) == ("search", {"query": "café"})
+
+
+def test_chat_without_parsers_is_vllms_plain_chat(llm):
+    conversations = [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]
+    outputs = llm.chat(conversations, forced("Plain."), chat_template=TEMPLATE)
+    assert [o.outputs[0].text for o in outputs] == ["Plain.", "Plain."]
+    assert outputs[0].outputs[0].message is None
+    assert outputs[0].prompt_token_ids != outputs[1].prompt_token_ids
+
+
+def test_unknown_parsers_and_bad_conversations_are_refused(llm):
+    with pytest.raises(ValueError, match="hermes"):
+        llm.chat([{"role": "user", "content": "a"}], chat_template=TEMPLATE, tool_parser="x")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat([{"role": "user", "content": "a"}], chat_template=TEMPLATE,
+                 continue_final_message=True)
