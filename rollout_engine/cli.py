@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -11,6 +12,20 @@ from rollout_engine.parsing import REASONING_PARSERS, TOOL_PARSERS
 from rollout_engine.protocol import DEFAULT_MAX_MESSAGE_BYTES, EngineError
 
 Runner = Callable[[argparse.Namespace], int]
+
+
+def _structured_outputs_config(text: str) -> dict:
+    """vLLM's --structured-outputs-config, of which `enable_in_reasoning` is taken (the
+    backend is always llguidance)."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(config, dict) or set(config) - {"enable_in_reasoning", "backend"}:
+        raise argparse.ArgumentTypeError('takes {"enable_in_reasoning": true|false}')
+    if config.get("backend", "guidance") not in ("auto", "guidance", "llguidance"):
+        raise argparse.ArgumentTypeError("the structured-outputs backend here is llguidance")
+    return config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -248,6 +263,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="split <think> reasoning from the answer (message.reasoning)")
     agents.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                         help='render no tools into the prompt when tool_choice is "none"')
+    agents.add_argument("--structured-outputs-config", type=_structured_outputs_config,
+                        default={}, help='JSON; {"enable_in_reasoning": true} constrains from '
+                        "the first token even with a reasoning parser (default: once the "
+                        "reasoning has ended)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                         default="auto", help="(default: %(default)s)")
@@ -357,6 +376,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+            structured_outputs_in_reasoning=args.structured_outputs_config.get(
+                "enable_in_reasoning", False),
         )
         engine_config = EngineConfig.from_kwargs(args.model, **options)
     except ValueError as exc:

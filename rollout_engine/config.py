@@ -267,6 +267,9 @@ class ServerConfig:
     """Split the reasoning (`<think> ... </think>`) from the answer: qwen3, deepseek_r1."""
     exclude_tools_when_tool_choice_none: bool = False
     """With `tool_choice` "none", render the prompt without the tools (vLLM's flag)."""
+    structured_outputs_in_reasoning: bool = False
+    """With a reasoning parser, constrain from the first token rather than once the reasoning
+    has ended (vLLM's `--structured-outputs-config '{"enable_in_reasoning": true}'`)."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
@@ -294,7 +297,8 @@ class ServerConfig:
                          self.trust_request_chat_template, self.enable_tokenizer_info_endpoint,
                          self.enable_auto_tool_choice, self.tool_call_parser is not None,
                          self.reasoning_parser is not None,
-                         self.exclude_tools_when_tool_choice_none)
+                         self.exclude_tools_when_tool_choice_none,
+                         self.structured_outputs_in_reasoning)
             _require(not any(http_only),
                      "--api-key, --enable-control-endpoints, --trust-request-chat-template, "
                      "--enable-tokenizer-info-endpoint and the tool and reasoning parser flags "

@@ -14,6 +14,7 @@ from rollout_engine.engine.chat_template import ChatPrompt, render_chat
 from rollout_engine.engine.llm_engine import LLMEngine
 from rollout_engine.engine.scoring import check_score_request, score_output, score_params
 from rollout_engine.parsing import ChatParsing
+from rollout_engine.parsing.reasoning_constraint import after_reasoning
 from rollout_engine.protocol import (
     EngineBusyError,
     InvalidRequestError,
@@ -88,12 +89,15 @@ class LLM:
         *,
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
+        enable_in_reasoning: bool = False,
     ) -> list[RequestOutput]:
         """vLLM's offline chat: one conversation or a list of them, rendered with the chat
         template (as `serve` renders them, tools included), then generated. With `tool_parser`
         and/or `reasoning_parser` (vLLM's parser names), each completion's `message` holds the
         content, reasoning and tool calls parsed from its text, beside the raw token ids and
-        logprobs a trainer needs."""
+        logprobs a trainer needs; with `reasoning_parser`, a structured-outputs constraint
+        applies once the reasoning has ended (vLLM's default), or from the first token with
+        `enable_in_reasoning` (vLLM's structured-outputs option)."""
         conversations = ([messages] if messages and isinstance(messages[0], dict)
                          else list(messages))
         parsing = ChatParsing(reasoning_parser, tool_parser)
@@ -103,6 +107,11 @@ class LLM:
         params = _per_prompt_params(sampling_params, len(prompts))
         if not parsing.skip_special_tokens:  # the tool format is written in special tokens
             params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
+        if reasoning_parser is not None and not enable_in_reasoning:
+            params = [p if p.structured_outputs is None else dataclasses.replace(
+                p, structured_outputs=after_reasoning(p.structured_outputs, reasoning_parser,
+                                                      prompt.text))
+                      for p, prompt in zip(params, prompts)]
         outputs = self.generate([prompt.token_ids for prompt in prompts], params, use_tqdm)
         if parsing.is_active(parse_calls=tool_parser is not None):
             for prompt, output in zip(prompts, outputs):

@@ -38,7 +38,10 @@ ANSWER = "<think>\nThe user wants weather.\n</think>\n\nLet me look." + CALL
 def tool_server(tmp_path_factory, llama_dir):
     process = start_server(tmp_path_factory, llama_dir, "--http-port", "0",
                            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                           "--reasoning-parser", "qwen3", "--trust-request-chat-template")
+                           "--reasoning-parser", "qwen3", "--trust-request-chat-template",
+                           # Constraints from the first token: a random model that opened a
+                           # think block would never close it.
+                           "--structured-outputs-config", '{"enable_in_reasoning": true}')
     yield process
     assert process.stop() == 0, process.log()[-3000:]
 

@@ -34,7 +34,8 @@ def forced(text: str) -> SamplingParams:
 def test_chat_parses_reasoning_and_calls_beside_the_raw_tokens(llm, llama_dir):
     conversation = [{"role": "user", "content": "find cafés"}]
     (output,) = llm.chat(conversation, forced(ANSWER), chat_template=TEMPLATE, tools=TOOLS,
-                         tool_parser="hermes", reasoning_parser="qwen3")
+                         tool_parser="hermes", reasoning_parser="qwen3",
+                         enable_in_reasoning=True)  # the forced text holds the reasoning
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     expected_prompt = tokenizer.apply_chat_template(
         conversation, tools=TOOLS, chat_template=TEMPLATE, add_generation_prompt=True,

@@ -49,7 +49,8 @@ async def create_chat_completion(raw_request: Request) -> Response:
     tools = ChatTools.for_request(request, ctx.config)
     prompt = await ctx.render_chat(tools.prompt_request(),
                                    fit_model=request.truncate_prompt_tokens is None)
-    params = tools.constrain(chat_params(request, len(prompt.token_ids), ctx.max_model_len))
+    params = tools.constrain(chat_params(request, len(prompt.token_ids), ctx.max_model_len),
+                             prompt.text)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
     generation = ctx.engine.generate([prompt.token_ids], [params], kind, "chatcmpl")

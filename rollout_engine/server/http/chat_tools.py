@@ -16,6 +16,7 @@ from rollout_engine.parsing import (
     ToolChoicePlan,
     plan_tool_choice,
 )
+from rollout_engine.parsing.reasoning_constraint import after_reasoning
 from rollout_engine.protocol import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from rollout_engine.server.http.api_models import ChatCompletionRequest
 
@@ -27,6 +28,8 @@ class ChatTools:
     plan: ToolChoicePlan
     parsing: ChatParsing
     request: ChatCompletionRequest
+    constrain_in_reasoning: bool = False
+    """Constraints apply from the first token, not once the reasoning has ended."""
 
     @classmethod
     def for_request(cls, request: ChatCompletionRequest, config: ServerConfig) -> ChatTools:
@@ -34,7 +37,8 @@ class ChatTools:
             request.tools, request.tool_choice, request.parallel_tool_calls is not False,
             config.tool_call_parser, config.enable_auto_tool_choice,
             config.exclude_tools_when_tool_choice_none)
-        return cls(plan, ChatParsing(config.reasoning_parser, config.tool_call_parser), request)
+        return cls(plan, ChatParsing(config.reasoning_parser, config.tool_call_parser), request,
+                   config.structured_outputs_in_reasoning)
 
     @property
     def is_parsing(self) -> bool:
@@ -47,16 +51,22 @@ class ChatTools:
             return self.request
         return self.request.model_copy(update={"tools": None})
 
-    def constrain(self, params: SamplingParams) -> SamplingParams:
-        """The sampling params with the plan's grammar, and special tokens kept in the text
-        where the tool format is written in them."""
+    def constrain(self, params: SamplingParams, prompt_text: str) -> SamplingParams:
+        """The sampling params with the plan's grammar, applied once the reasoning has ended
+        (with a reasoning parser), and special tokens kept in the text where the tool format
+        is written in them."""
         changes: dict = {}
+        constraint = params.structured_outputs
         if self.plan.grammar is not None:
-            if params.structured_outputs is not None:
+            if constraint is not None:
                 raise InvalidRequestError(
                     "a 'required' or named tool_choice constrains the output itself: send no "
                     "structured_outputs or response_format with it")
-            changes["structured_outputs"] = StructuredOutputsParams(grammar=self.plan.grammar)
+            constraint = changes["structured_outputs"] = StructuredOutputsParams(
+                grammar=self.plan.grammar)
+        reasoning = self.parsing.reasoning_parser
+        if constraint is not None and reasoning is not None and not self.constrain_in_reasoning:
+            changes["structured_outputs"] = after_reasoning(constraint, reasoning, prompt_text)
         if self.is_parsing and not self.parsing.skip_special_tokens:
             changes["skip_special_tokens"] = False
         return dataclasses.replace(params, **changes) if changes else params
