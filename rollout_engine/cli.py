@@ -258,7 +258,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help='parse the tool calls of chat requests with tool_choice "auto"')
     agents.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
                         help="the format of the model's tool calls; 'required' and named "
-                        "tool choices are generated in it (hermes, llama3_json)")
+                        "tool choices are generated in it (hermes, llama3_json, qwen3_xml)")
     agents.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
                         help="split <think> reasoning from the answer (message.reasoning)")
     agents.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",

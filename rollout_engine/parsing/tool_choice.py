@@ -57,9 +57,54 @@ def llama3_json_grammar(functions: Sequence[dict], parallel: bool) -> str:
     return _lark_calls("arguments", "; ", parallel) + f"arguments: %json {schema}\n"
 
 
+_XML_TEXT_EXCLUDED = r"~/(?s:.*(<\/parameter>|<\/function>).*)/"
+"""A text value may hold neither closing tag (the parser would end the value there)."""
+_NL = "\n"
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _xml_value(schema: dict, lexeme: str) -> tuple[str, str]:
+    """(the expansion of one parameter's value, the lexeme definition it needs or ""): text
+    for strings (their length bounds and enums kept), JSON (compact) for every other type."""
+    if schema.get("type") == "string":
+        if "enum" in schema:
+            return " | ".join(_lark_string(str(v)) for v in schema["enum"]), ""
+        bounds = "{" + f"{int(schema.get('minLength', 0))},{schema.get('maxLength', '')}" + "}"
+        return lexeme, f"{lexeme}: /(?s:.{bounds})/ & {_XML_TEXT_EXCLUDED}{_NL}"
+    value = {**schema, "x-guidance": {"whitespace_flexible": False}} if schema else {}
+    return f"%json {json.dumps(value or {'type': 'object'})}", ""
+
+
+def qwen3_xml_grammar(functions: Sequence[dict], parallel: bool) -> str:
+    """Qwen3-Coder's format: a `<parameter=P>` block per argument in the schema's order
+    (required ones always, optional ones maybe), values as the parser types them back."""
+    rules, lexemes, calls = [], [], []
+    for i, function in enumerate(functions):
+        parameters = function.get("parameters") or {}
+        required = set(parameters.get("required") or [])
+        parts = []
+        for j, (key, schema) in enumerate((parameters.get("properties") or {}).items()):
+            value, lexeme = _xml_value(schema or {}, f"TEXT_{i}_{j}")
+            opening = _lark_string(f"<parameter={key}>{_NL}")
+            closing = _lark_string(f"{_NL}</parameter>{_NL}")
+            rules.append(f"p_{i}_{j}: {opening} ({value}) {closing}{_NL}")
+            lexemes.append(lexeme)
+            parts.append(f"p_{i}_{j}" + ("" if key in required else "?"))
+        head = _lark_string(f"<tool_call>{_NL}<function={function['name']}>{_NL}")
+        tail = _lark_string(f"</function>{_NL}</tool_call>")
+        calls.append(" ".join([head, *parts, tail]))
+    call = " | ".join(f"({c})" for c in calls)
+    return _lark_calls(call, "\\n", parallel) + "".join(rules) + "".join(lexemes)
+
+
 CALL_GRAMMARS: dict[str, Callable[[Sequence[dict], bool], str]] = {
     "hermes": hermes_grammar,
     "llama3_json": llama3_json_grammar,
+    "qwen3_xml": qwen3_xml_grammar,
+    "qwen3_coder": qwen3_xml_grammar,
 }
 """The parsers whose format can be constrained ("required" and named tool choices)."""
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
 from rollout_engine import LLM, SamplingParams
+from rollout_engine.parsing import ChatParsing, plan_tool_choice
 from rollout_engine.protocol import StructuredOutputsParams
 
 TEMPLATE = ("{% for tool in tools or [] %}[{{ tool.function.name }}]{% endfor %}"
@@ -63,3 +65,40 @@ def test_unknown_parsers_and_bad_conversations_are_refused(llm):
     with pytest.raises(ValueError, match="continue_final_message"):
         llm.chat([{"role": "user", "content": "a"}], chat_template=TEMPLATE,
                  continue_final_message=True)
+
+
+CONSTRAINED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 10},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            "when": {"type": "object", "properties": {"hour": {"type": "integer", "minimum": 0,
+                                                                 "maximum": 23}},
+                     "required": ["hour"], "additionalProperties": False}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string", "maxLength": 12}},
+        "required": ["query"], "additionalProperties": False}}},
+]
+
+
+@pytest.mark.parametrize("tool_parser", ["hermes", "llama3_json", "qwen3_xml"])
+def test_required_calls_of_a_random_model_parse_and_validate_in_each_format(llm, tool_parser):
+    """The constraint writes the parser's own format: 64 samples at temperature 1, every one
+    a call that parses back and whose arguments match the tool's schema."""
+    plan = plan_tool_choice(CONSTRAINED_TOOLS, "required", False, tool_parser, True)
+    params = SamplingParams(n=64, temperature=1.0, seed=1, max_tokens=250,
+                            structured_outputs=StructuredOutputsParams(grammar=plan.grammar))
+    (output,) = llm.generate([[5, 6, 7]], params)
+    parsing = ChatParsing(tool_call_parser=tool_parser)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in CONSTRAINED_TOOLS}
+    names = set()
+    for completion in output.outputs:
+        assert completion.finish_reason == "stop", completion.text
+        message = parsing.parser("", CONSTRAINED_TOOLS, True).parse(completion.text)
+        (call,) = message.tool_calls
+        assert message.content is None, completion.text
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+        names.add(call.name)
+    assert names == {"get_weather", "search"}
