@@ -24,13 +24,34 @@ class ToolChoicePlan:
     """A Lark grammar (llguidance's dialect) the completion must follow, or None."""
 
 
+def strict(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object that lists its properties
+    and says nothing of others (xgrammar's strict default, OpenAI's strict tools): a call holds
+    the parameters its tool declares, and a sampling model cannot wander into made-up ones."""
+    if isinstance(schema, list):
+        return [strict(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: strict(value) if key in _SUBSCHEMAS else value for key, value in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict(sub) for name, sub in out[key].items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = frozenset({"items", "anyOf", "oneOf", "allOf", "not", "additionalProperties",
+                         "prefixItems", "if", "then", "else"})
+
+
 def call_schema(functions: Sequence[dict], arguments_key: str) -> dict:
     """The JSON Schema of one call to any of `functions`: `{"name": ..., arguments_key: ...}`
     with the name first, as the formats write it."""
     options = [{
         "type": "object",
         "properties": {"name": {"const": f["name"]},
-                       arguments_key: f.get("parameters") or {"type": "object"}},
+                       arguments_key: strict(f.get("parameters") or {"type": "object"})},
         "required": ["name", arguments_key],
         "additionalProperties": False,
     } for f in functions]

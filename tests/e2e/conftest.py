@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from rollout_engine.tiny_model import build_tiny_model
+from tests.e2e.http_helpers import AGENT_CHAT_TEMPLATE, AGENT_MODEL_NAME
 from tests.e2e.server_process import AUTH_TOKEN, ENGINE_OPTIONS, start_server
 from trainer_bridge import EngineClient
 
@@ -57,3 +59,21 @@ def raw_stub(server):
     channel = grpc.insecure_channel(server.address)
     yield rollout_pb2_grpc.RolloutEngineStub(channel)
     channel.close()
+
+
+@pytest.fixture(scope="session")
+def agent_server(tmp_path_factory, llama_dir):
+    """A server for agents: the tiny model with a hermes-style chat template of its own,
+    `--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3`, constraints
+    from the first token (a random model that opened a think block would never close it)."""
+    model_dir = tmp_path_factory.mktemp("agent_model") / "llama"
+    shutil.copytree(llama_dir, model_dir)
+    (model_dir / "chat_template.jinja").write_text(AGENT_CHAT_TEMPLATE)
+    process = start_server(
+        tmp_path_factory, model_dir, "--http-port", "0", "--max-model-len=1024",
+        "--kv-cache-bytes=33554432", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--reasoning-parser", "qwen3", "--structured-outputs-config",
+        '{"enable_in_reasoning": true}', "--trust-request-chat-template",
+        "--served-model-name", AGENT_MODEL_NAME)
+    yield process
+    assert process.stop() == 0, process.log()[-3000:]

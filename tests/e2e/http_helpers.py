@@ -85,3 +85,15 @@ class HealthProbe:
         return (f"/health: {len(self.latencies_s)} probes, p50 {self.quantile_s(0.5) * 1e3:.1f} "
                 f"ms, p99 {self.quantile_s(0.99) * 1e3:.1f} ms, max "
                 f"{max(self.latencies_s) * 1e3:.1f} ms")
+
+AGENT_MODEL_NAME = "tiny-agent"
+AGENT_CHAT_TEMPLATE = (
+    "{%- if tools %}<|system|>Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n"
+    "{% endif %}"
+    "{%- for m in messages %}<|{{ m.role }}|>{{ m.content if m.content is string else '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n"
+    '{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}\n'
+    "</tool_call>{% endfor %}\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""A hermes-style template for the tiny model of `agent_server` (it has none of its own)."""

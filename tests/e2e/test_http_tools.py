@@ -1,5 +1,6 @@
 """Tool calls and reasoning through a real `serve --http-port --enable-auto-tool-choice
---tool-call-parser hermes --reasoning-parser qwen3`, with the `openai` package: forced output
+--tool-call-parser hermes --reasoning-parser qwen3` (the shared `agent_server`), with the
+`openai` package: forced output
 (a structured-outputs choice makes the random model write an exact answer) comes back parsed,
 streamed and not; "required" and named tool choices make a random model at temperature 1 write
 calls in hermes' own format that all parse and validate against their schemas."""
@@ -15,7 +16,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.e2e.http_helpers import CHAT_TEMPLATE
-from tests.e2e.server_process import start_server
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -35,20 +35,8 @@ ANSWER = "<think>\nThe user wants weather.\n</think>\n\nLet me look." + CALL
 
 
 @pytest.fixture(scope="module")
-def tool_server(tmp_path_factory, llama_dir):
-    process = start_server(tmp_path_factory, llama_dir, "--http-port", "0",
-                           "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                           "--reasoning-parser", "qwen3", "--trust-request-chat-template",
-                           # Constraints from the first token: a random model that opened a
-                           # think block would never close it.
-                           "--structured-outputs-config", '{"enable_in_reasoning": true}')
-    yield process
-    assert process.stop() == 0, process.log()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def oai(tool_server):
-    with openai.OpenAI(base_url=f"{tool_server.http_url}/v1", api_key="unused", max_retries=0,
+def oai(agent_server):
+    with openai.OpenAI(base_url=f"{agent_server.http_url}/v1", api_key="unused", max_retries=0,
                        timeout=120) as http_client:
         yield http_client
 

@@ -190,3 +190,18 @@ def test_unknown_parser_names_are_refused_with_the_choices():
         ChatParsing(tool_call_parser="nope")
     with pytest.raises(ValueError, match="qwen3"):
         ChatParsing(reasoning_parser="nope")
+
+
+def test_constrained_arguments_hold_only_the_declared_parameters():
+    from rollout_engine.parsing.tool_choice import strict
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+        "c": {"type": "array", "items": {"type": "object", "properties": {}}},
+        "d": {"type": "object", "properties": {}, "additionalProperties": True}}}
+    out = strict(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["c"]["items"]["additionalProperties"] is False
+    assert out["properties"]["d"]["additionalProperties"] is True  # said so: kept
+    assert "additionalProperties" not in schema  # the tool's own schema is left alone
