@@ -11,20 +11,47 @@ from rollout_engine.parsing.reasoning import REASONING_PARSERS, ReasoningParser
 from rollout_engine.parsing.tool_parsers import TOOL_PARSERS, ToolParser
 
 
+class _Trimmed:
+    """A text channel without its surrounding whitespace, as it streams: leading whitespace is
+    dropped, a trailing run held back until more text follows it (and dropped at the end)."""
+
+    def __init__(self) -> None:
+        self._has_started = False
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        if not self._has_started:
+            text = text.lstrip()
+            self._has_started = bool(text)
+        body = text.rstrip()
+        if not body:
+            self._held += text
+            return ""
+        out, self._held = self._held + body, text[len(body):]
+        return out
+
+
 class ChatParser:
     """Fed a completion's text piece by piece (`feed`, then `finish` once), or whole
-    (`parse`); either way in time linear in the text."""
+    (`parse`); either way in time linear in the text. Content and reasoning come without
+    their surrounding whitespace (the `\n\n` after `</think>`, around calls), as transformers'
+    `parse_response` gives them."""
 
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
         self.reasoning, self.tools = reasoning, tools
+        self._content, self._reasoning = _Trimmed(), _Trimmed()
 
     def feed(self, text: str) -> MessageDelta:
         delta = self.reasoning.feed(text) if self.reasoning else MessageDelta(text)
-        return self._read_answer(delta, finish=False)
+        return self._trimmed(self._read_answer(delta, finish=False))
 
     def finish(self) -> MessageDelta:
         delta = self.reasoning.finish() if self.reasoning else MessageDelta()
-        return self._read_answer(delta, finish=True)
+        return self._trimmed(self._read_answer(delta, finish=True))
+
+    def _trimmed(self, delta: MessageDelta) -> MessageDelta:
+        return MessageDelta(self._content.feed(delta.content),
+                            self._reasoning.feed(delta.reasoning), delta.tool_calls)
 
     def parse(self, text: str) -> ParsedMessage:
         return ParsedMessage.fold([self.feed(text), self.finish()])

@@ -61,8 +61,8 @@ class MessageDelta:
 
 @dataclass(frozen=True)
 class ParsedMessage:
-    """The assistant message: `content` None when it is empty, or only whitespace beside tool
-    calls (vLLM's answer); `reasoning` None when the model did not reason."""
+    """The assistant message: `content` None when it is empty (vLLM's answer beside tool
+    calls), `reasoning` None when the model did not reason."""
 
     content: str | None
     reasoning: str | None
@@ -75,7 +75,4 @@ class ParsedMessage:
             content.append(delta.content)
             reasoning.append(delta.reasoning)
             calls.extend(d.call for d in sorted(delta.tool_calls, key=lambda d: d.index))
-        text = "".join(content)
-        if not text or (calls and not text.strip()):
-            text = None
-        return cls(text, "".join(reasoning) or None, tuple(calls))
+        return cls("".join(content) or None, "".join(reasoning) or None, tuple(calls))

@@ -56,9 +56,9 @@ def test_a_forced_answer_comes_back_parsed_streamed_and_not(oai, llama_dir):
     whole = create(oai, max_tokens=150, extra_body=forced(ANSWER))
     (choice,) = whole.choices
     message = choice.message
-    assert message.reasoning == "\nThe user wants weather.\n"  # vLLM's field, and its alias
+    assert message.reasoning == "The user wants weather."  # vLLM's field, and its alias
     assert message.model_extra["reasoning_content"] == message.reasoning
-    assert message.content == "\n\nLet me look."
+    assert message.content == "Let me look."
     (call,) = message.tool_calls
     assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
     assert call.function.name == "get_weather"
