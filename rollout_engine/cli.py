@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from rollout_engine.parsing import REASONING_PARSERS, TOOL_PARSERS
+from rollout_engine.parsing import REASONING_NAMES, TOOL_NAMES
 from rollout_engine.protocol import DEFAULT_MAX_MESSAGE_BYTES, EngineError
 
 Runner = Callable[[argparse.Namespace], int]
@@ -256,10 +256,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     agents = parser.add_argument_group("agents (chat tool calls and reasoning, vLLM's flags)")
     agents.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='parse the tool calls of chat requests with tool_choice "auto"')
-    agents.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+    agents.add_argument("--tool-call-parser", choices=sorted(TOOL_NAMES),
                         help="the format of the model's tool calls; 'required' and named "
                         "tool choices are generated in it (hermes, llama3_json, qwen3_xml)")
-    agents.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+    agents.add_argument("--reasoning-parser", choices=sorted(REASONING_NAMES),
                         help="split <think> reasoning from the answer (message.reasoning)")
     agents.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                         help='render no tools into the prompt when tool_choice is "none"')

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rollout_engine.parsing.harmony import HarmonyParser
 from rollout_engine.parsing.messages import MessageDelta, ParsedMessage
 from rollout_engine.parsing.reasoning import REASONING_PARSERS, ReasoningParser
 from rollout_engine.parsing.tool_parsers import TOOL_PARSERS, ToolParser
@@ -37,7 +38,8 @@ class ChatParser:
     their surrounding whitespace (the `\n\n` after `</think>`, around calls), as transformers'
     `parse_response` gives them."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | HarmonyParser | None,
+                 tools: ToolParser | None) -> None:
         self.reasoning, self.tools = reasoning, tools
         self._content, self._reasoning = _Trimmed(), _Trimmed()
 
@@ -65,6 +67,12 @@ class ChatParser:
         return MessageDelta(answer.content, delta.reasoning, answer.tool_calls)
 
 
+HARMONY_REASONING = "openai_gptoss"
+REASONING_NAMES = frozenset(REASONING_PARSERS) | {HARMONY_REASONING}
+TOOL_NAMES = frozenset(TOOL_PARSERS) | {HarmonyParser.name}
+"""Every parser name (vLLM's), gpt-oss's harmony pair included."""
+
+
 @dataclass(frozen=True)
 class ChatParsing:
     """A server's parsers (vLLM's `--reasoning-parser` and `--tool-call-parser`), by name,
@@ -74,14 +82,25 @@ class ChatParsing:
     tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
-        for kind, name, known in (("reasoning", self.reasoning_parser, REASONING_PARSERS),
-                                  ("tool-call", self.tool_call_parser, TOOL_PARSERS)):
+        for kind, name, known in (("reasoning", self.reasoning_parser, REASONING_NAMES),
+                                  ("tool-call", self.tool_call_parser, TOOL_NAMES)):
             if name is not None and name not in known:
                 raise ValueError(f"unknown {kind} parser {name!r}; choose from {sorted(known)}")
+        if self.is_harmony and not (self.tool_call_parser in (None, HarmonyParser.name) and
+                                    self.reasoning_parser in (None, HARMONY_REASONING)):
+            raise ValueError("gpt-oss's harmony format is read whole: pair --tool-call-parser "
+                             f"openai with --reasoning-parser {HARMONY_REASONING} (or none)")
+
+    @property
+    def is_harmony(self) -> bool:
+        return HarmonyParser.name == self.tool_call_parser or (
+            self.reasoning_parser == HARMONY_REASONING)
 
     @property
     def skip_special_tokens(self) -> bool:
-        """False where the tool format's markers are special tokens."""
+        """False where the format's markers are special tokens."""
+        if self.is_harmony:
+            return False
         return self.tool_call_parser is None or TOOL_PARSERS[self.tool_call_parser].skip_special_tokens
 
     def is_active(self, parse_calls: bool) -> bool:
@@ -89,6 +108,9 @@ class ChatParsing:
 
     def parser(self, prompt_text: str, tools: Sequence[dict] | None, parse_calls: bool
                ) -> ChatParser:
+        if self.is_harmony:  # one parser reads reasoning, content and calls
+            harmony = HarmonyParser(parse_calls and self.tool_call_parser is not None)
+            return ChatParser(harmony, None)
         reasoning = (REASONING_PARSERS[self.reasoning_parser](prompt_text)
                      if self.reasoning_parser else None)
         tool_parser = (TOOL_PARSERS[self.tool_call_parser](tools or ())

@@ -205,3 +205,35 @@ def test_constrained_arguments_hold_only_the_declared_parameters():
     assert out["properties"]["c"]["items"]["additionalProperties"] is False
     assert out["properties"]["d"]["additionalProperties"] is True  # said so: kept
     assert "additionalProperties" not in schema  # the tool's own schema is left alone
+
+
+ANALYSIS = "<|channel|>analysis<|message|>Need the weather.<|end|>"
+WEATHER_CALL = ("<|start|>assistant<|channel|>commentary to=functions.get_weather "
+                '<|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (ANALYSIS + WEATHER_CALL, (None, "Need the weather.", [("get_weather", {"city": "Paris"})])),
+    (ANALYSIS + "<|start|>assistant<|channel|>final<|message|>Sunny.<|return|>",
+     ("Sunny.", "Need the weather.", [])),
+    ("<|channel|>final<|message|>Sunny, the stop token", ("Sunny, the stop token", None, [])),
+    ("<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.search"
+     "<|channel|>commentary json<|message|>{}<|call|>", ("Checking.", None, [("search", {})])),
+    (ANALYSIS + WEATHER_CALL.replace('{"city": "Paris"}', "{broken"),
+     ("{broken", "Need the weather.", [])),
+    ("no harmony here", ("no harmony here", None, [])),
+])
+def test_harmony(text, expected):
+    content, reasoning, calls = expected
+    got = parse(text, "openai", "openai_gptoss")
+    assert comparable(got) == (content, reasoning, tuple(calls))
+    assert comparable(parse(text, "openai")) == comparable(got)  # the pair or the tool side
+    assert_stream_invariant(text, tool_parser="openai", reasoning="openai_gptoss")
+
+
+def test_harmony_is_read_whole_and_keeps_its_special_tokens():
+    assert not ChatParsing(tool_call_parser="openai").skip_special_tokens
+    with pytest.raises(ValueError, match="harmony"):
+        ChatParsing(reasoning_parser="qwen3", tool_call_parser="openai")
+    got = parse(ANALYSIS + WEATHER_CALL, None, "openai_gptoss")  # reasoning only: no calls
+    assert got.tool_calls == () and got.reasoning == "Need the weather."
