@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 from fastapi import FastAPI
 
-from rollout_engine.server.http import chat, completions, control, info, tokenize
+from rollout_engine.server.http import chat, completions, control, info, responses, tokenize
 from rollout_engine.server.http.context import ServingContext
 from rollout_engine.server.http.error_responses import (
     UnauthorizedError,
@@ -42,7 +42,8 @@ def build_app(serving: ServingContext) -> FastAPI:
     app = FastAPI(title="rollout-engine (vllm serve API)", docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.serving = serving
-    for module in (info, completions, chat, tokenize):
+    app.state.responses = responses.ResponseStore()  # for previous_response_id
+    for module in (info, completions, chat, responses, tokenize):
         app.include_router(module.router)
     app.include_router(control.weight_transfer_router)
     if serving.config.enable_tokenizer_info_endpoint:
