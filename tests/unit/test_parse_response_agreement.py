@@ -1,7 +1,7 @@
 """Our parsers against transformers' `parse_response` with TRL's response templates (what TRL's
-trainers parse client-side): on a generated corpus of Qwen3 answers (reasoning, text, calls with
-nested and unicode arguments, in hermes JSON and in Qwen3.5's XML), the same reasoning, content
-and calls. Where they differ on purpose, the case is left out and said here: text *after* a
+trainers parse client-side): on generated corpora of Qwen3 answers (reasoning, text, calls with
+nested and unicode arguments, in hermes JSON and in Qwen3.5's XML), Llama 3 JSON calls and
+gpt-oss harmony, the same reasoning, content and calls. Where they differ on purpose, the case is left out and said here: text *after* a
 call (transformers keeps only the last text segment, we keep all of it) and a malformed call
 (transformers raises, we keep the call's text as content)."""
 
@@ -74,3 +74,39 @@ def test_we_parse_what_transformers_parse_response_parses(llama_dir, template, t
         assert [(c.name, json.loads(c.arguments)) for c in ours.tool_calls] == [
             (c["name"], c["arguments"]) for c in their_calls], text
         assert [json.loads(c.arguments) for c in ours.tool_calls] == calls, text
+
+
+def test_llama3_json_and_harmony_agree_with_parse_response(llama_dir):
+    """One call or an answer per output (these templates read one); their stop tokens
+    (`<|eot_id|>`, `<|call|>`, `<|return|>`) end the text parse_response is given."""
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    rng = random.Random(3)
+    for _ in range(40):
+        args = arguments(rng)
+        answer = rng.choice(TEXTS)
+        if rng.random() < 0.5:
+            llama, calls = json.dumps({"name": "lookup", "parameters": args}), [args]
+        else:
+            llama, calls = answer, []
+        cases = [("llama3", "<|start_header_id|>assistant<|end_header_id|>\n\n",
+                  llama, "<|eot_id|>", ChatParsing(tool_call_parser="llama3_json"))]
+        thought = f"<|channel|>analysis<|message|>{rng.choice(TEXTS)}<|end|>"
+        if calls:
+            harmony = (thought + "<|start|>assistant to=functions.lookup<|channel|>commentary "
+                       f"json<|message|>{json.dumps(args)}")
+            end = "<|call|>"
+        else:
+            harmony = thought + f"<|start|>assistant<|channel|>final<|message|>{answer}"
+            end = "<|return|>"
+        cases.append(("gptoss", "<|start|>assistant", harmony, end,
+                      ChatParsing("openai_gptoss", "openai")))
+        for template, prefix, text, stop, parsing in cases:
+            tokenizer.response_template = getattr(trl_templates, f"{template}_template")
+            theirs = tokenizer.parse_response(text + stop, prefix=prefix, tools=TOOLS)
+            ours = parsing.parser(prefix, TOOLS, parse_calls=True).parse(text)
+            their_calls = [c["function"] for c in theirs.get("tool_calls", [])]
+            assert [(c.name, json.loads(c.arguments)) for c in ours.tool_calls] == [
+                (c["name"], c["arguments"]) for c in their_calls] == [
+                ("lookup", a) for a in calls], text
+            assert ours.content == (theirs.get("content") or None), text
+            assert ours.reasoning == theirs.get("thinking"), text
