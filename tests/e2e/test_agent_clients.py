@@ -1,7 +1,7 @@
 """Agent frameworks against `serve --http-port --enable-auto-tool-choice --tool-call-parser
 hermes`, unchanged: a smolagents `ToolCallingAgent` (which sends tool_choice "required" on
-every step) and an openai-agents `Agent` on its chat-completions model run a tool loop with a
-tiny random model and finish. Tool arguments are enums, so a random model's calls stay short;
+every step), an openai-agents `Agent` on its chat-completions model and langchain-openai's
+`bind_tools` run a tool loop with a tiny random model and finish. Tool arguments are enums, so a random model's calls stay short;
 every call must parse, reach the tool and come back as the framework expects."""
 
 from __future__ import annotations
@@ -86,3 +86,20 @@ def test_an_openai_agents_agent_calls_its_tool_and_finishes(agent_server):
     assert len(calls_made) == 1 and calls_made[0] in CITIES
     assert result.new_items[1].output == f"22 degrees in {calls_made[0]}"
     assert isinstance(result.final_output, str)  # the second turn: "auto", a random answer
+
+
+def test_langchain_openai_bind_tools_runs_a_two_step_loop(agent_server):
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=AGENT_MODEL_NAME, base_url=f"{agent_server.http_url}/v1",
+                     api_key="unused", max_tokens=96, max_retries=0)
+    bound = llm.bind_tools([get_weather], tool_choice="get_weather")
+    question = HumanMessage("What is the weather in Paris?")
+    reply = bound.invoke([question])
+    assert isinstance(reply, AIMessage)
+    (call,) = reply.tool_calls
+    assert call["name"] == "get_weather" and call["args"]["city"] in CITIES and call["id"]
+    observation = ToolMessage(get_weather(**call["args"]), tool_call_id=call["id"])
+    final = llm.bind_tools([get_weather]).invoke([question, reply, observation])
+    assert isinstance(final, AIMessage) and isinstance(final.content, str)
