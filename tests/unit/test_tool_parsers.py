@@ -217,8 +217,8 @@ WEATHER_CALL = ("<|start|>assistant<|channel|>commentary to=functions.get_weathe
     (ANALYSIS + "<|start|>assistant<|channel|>final<|message|>Sunny.<|return|>",
      ("Sunny.", "Need the weather.", [])),
     ("<|channel|>final<|message|>Sunny, the stop token", ("Sunny, the stop token", None, [])),
-    ("<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.search"
-     "<|channel|>commentary json<|message|>{}<|call|>", ("Checking.", None, [("search", {})])),
+    (("<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.search"
+     "<|channel|>commentary json<|message|>{}<|call|>"), ("Checking.", None, [("search", {})])),
     (ANALYSIS + WEATHER_CALL.replace('{"city": "Paris"}', "{broken"),
      ("{broken", "Need the weather.", [])),
     ("no harmony here", ("no harmony here", None, [])),
