@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -14,7 +13,11 @@ from rollout_engine.engine.chat_template import ChatPrompt, render_chat
 from rollout_engine.engine.llm_engine import LLMEngine
 from rollout_engine.engine.scoring import check_score_request, score_output, score_params
 from rollout_engine.parsing import ChatParsing
-from rollout_engine.parsing.reasoning_constraint import after_reasoning
+from rollout_engine.parsing.chat_params import (
+    attach_messages,
+    chat_sampling_params,
+    offline_tool_choice,
+)
 from rollout_engine.protocol import (
     EngineBusyError,
     InvalidRequestError,
@@ -89,35 +92,31 @@ class LLM:
         *,
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
         enable_in_reasoning: bool = False,
     ) -> list[RequestOutput]:
         """vLLM's offline chat: one conversation or a list of them, rendered with the chat
         template (as `serve` renders them, tools included), then generated. With `tool_parser`
         and/or `reasoning_parser` (vLLM's parser names), each completion's `message` holds the
         content, reasoning and tool calls parsed from its text, beside the raw token ids and
-        logprobs a trainer needs; with `reasoning_parser`, a structured-outputs constraint
-        applies once the reasoning has ended (vLLM's default), or from the first token with
-        `enable_in_reasoning` (vLLM's structured-outputs option)."""
+        logprobs a trainer needs. `tool_choice` as `serve` takes it ("auto" by default with
+        tools and a parser; "required" or a named function generate calls in the parser's
+        format); with `reasoning_parser`, a constraint applies once the reasoning has ended
+        (vLLM's default), or from the first token with `enable_in_reasoning`."""
         conversations = ([messages] if messages and isinstance(messages[0], dict)
                          else list(messages))
         parsing = ChatParsing(reasoning_parser, tool_parser)
+        plan = offline_tool_choice(tools, tool_choice, tool_parser, parallel_tool_calls)
         prompts = [render_chat(self.engine.processor, ChatPrompt(
-            list(conversation), tools, documents, chat_template, chat_template_kwargs,
-            add_generation_prompt, continue_final_message)) for conversation in conversations]
-        params = _per_prompt_params(sampling_params, len(prompts))
-        if not parsing.skip_special_tokens:  # the tool format is written in special tokens
-            params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
-        if reasoning_parser is not None and not enable_in_reasoning:
-            params = [p if p.structured_outputs is None else dataclasses.replace(
-                p, structured_outputs=after_reasoning(p.structured_outputs, reasoning_parser,
-                                                      prompt.text))
-                      for p, prompt in zip(params, prompts)]
+            list(conversation), tools if plan.render_tools else None, documents, chat_template,
+            chat_template_kwargs, add_generation_prompt, continue_final_message))
+            for conversation in conversations]
+        params = [chat_sampling_params(p, plan, parsing, prompt.text, enable_in_reasoning)
+                  for p, prompt in zip(_per_prompt_params(sampling_params, len(prompts)),
+                                       prompts)]
         outputs = self.generate([prompt.token_ids for prompt in prompts], params, use_tqdm)
-        if parsing.is_active(parse_calls=tool_parser is not None):
-            for prompt, output in zip(prompts, outputs):
-                for completion in output.outputs:
-                    parser = parsing.parser(prompt.text, tools, parse_calls=True)
-                    completion.message = parser.parse(completion.text)
+        attach_messages(outputs, [prompt.text for prompt in prompts], parsing, plan, tools)
         return outputs
 
     def score(

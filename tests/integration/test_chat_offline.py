@@ -10,7 +10,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from rollout_engine import LLM, SamplingParams
-from rollout_engine.parsing import ChatParsing, plan_tool_choice
 from rollout_engine.protocol import StructuredOutputsParams
 
 TEMPLATE = ("{% for tool in tools or [] %}[{{ tool.function.name }}]{% endfor %}"
@@ -85,20 +84,18 @@ CONSTRAINED_TOOLS = [
 
 @pytest.mark.parametrize("tool_parser", ["hermes", "llama3_json", "qwen3_xml"])
 def test_required_calls_of_a_random_model_parse_and_validate_in_each_format(llm, tool_parser):
-    """The constraint writes the parser's own format: 64 samples at temperature 1, every one
-    a call that parses back and whose arguments match the tool's schema."""
-    plan = plan_tool_choice(CONSTRAINED_TOOLS, "required", False, tool_parser, True)
-    params = SamplingParams(n=64, temperature=1.0, seed=1, max_tokens=250,
-                            structured_outputs=StructuredOutputsParams(grammar=plan.grammar))
-    (output,) = llm.generate([[5, 6, 7]], params)
-    parsing = ChatParsing(tool_call_parser=tool_parser)
+    """`LLM.chat(tool_choice="required")` writes the parser's own format: 64 samples at
+    temperature 1, every one a call that parses back and whose arguments match its schema."""
+    params = SamplingParams(n=64, temperature=1.0, seed=1, max_tokens=200)
+    (output,) = llm.chat([{"role": "user", "content": "go"}], params, chat_template=TEMPLATE,
+                         tools=CONSTRAINED_TOOLS, tool_parser=tool_parser,
+                         tool_choice="required", parallel_tool_calls=False)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in CONSTRAINED_TOOLS}
     names = set()
     for completion in output.outputs:
         assert completion.finish_reason == "stop", completion.text
-        message = parsing.parser("", CONSTRAINED_TOOLS, True).parse(completion.text)
-        (call,) = message.tool_calls
-        assert message.content is None, completion.text
+        (call,) = completion.message.tool_calls
+        assert completion.message.content is None, completion.text
         jsonschema.validate(json.loads(call.arguments), schemas[call.name])
         names.add(call.name)
     assert names == {"get_weather", "search"}

@@ -5,7 +5,6 @@ in vLLM's form (`tool_calls`, `reasoning` and its older name `reasoning_content`
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from rollout_engine.config import ServerConfig
@@ -16,8 +15,8 @@ from rollout_engine.parsing import (
     ToolChoicePlan,
     plan_tool_choice,
 )
-from rollout_engine.parsing.reasoning_constraint import after_reasoning
-from rollout_engine.protocol import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from rollout_engine.parsing.chat_params import chat_sampling_params
+from rollout_engine.protocol import SamplingParams
 from rollout_engine.server.http.api_models import ChatCompletionRequest
 
 
@@ -52,24 +51,9 @@ class ChatTools:
         return self.request.model_copy(update={"tools": None})
 
     def constrain(self, params: SamplingParams, prompt_text: str) -> SamplingParams:
-        """The sampling params with the plan's grammar, applied once the reasoning has ended
-        (with a reasoning parser), and special tokens kept in the text where the tool format
-        is written in them."""
-        changes: dict = {}
-        constraint = params.structured_outputs
-        if self.plan.grammar is not None:
-            if constraint is not None:
-                raise InvalidRequestError(
-                    "a 'required' or named tool_choice constrains the output itself: send no "
-                    "structured_outputs or response_format with it")
-            constraint = changes["structured_outputs"] = StructuredOutputsParams(
-                grammar=self.plan.grammar)
-        reasoning = self.parsing.reasoning_parser
-        if constraint is not None and reasoning is not None and not self.constrain_in_reasoning:
-            changes["structured_outputs"] = after_reasoning(constraint, reasoning, prompt_text)
-        if self.is_parsing and not self.parsing.skip_special_tokens:
-            changes["skip_special_tokens"] = False
-        return dataclasses.replace(params, **changes) if changes else params
+        """The sampling params as the tool choice and parsers need them (`chat_params.py`)."""
+        return chat_sampling_params(params, self.plan, self.parsing, prompt_text,
+                                    self.constrain_in_reasoning)
 
     def parser(self, prompt_text: str) -> ChatParser | None:
         if not self.is_parsing:
