@@ -245,6 +245,32 @@ class GenerateBatchResponse(_message.Message):
     completions: _containers.RepeatedCompositeFieldContainer[BatchCompletion]
     def __init__(self, completions: _Optional[_Iterable[_Union[BatchCompletion, _Mapping]]] = ...) -> None: ...
 
+class RenderChatRequest(_message.Message):
+    __slots__ = ("messages_json", "tools_json", "chat_template", "chat_template_kwargs_json", "add_generation_prompt", "continue_final_message", "documents_json")
+    MESSAGES_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    messages_json: str
+    tools_json: str
+    chat_template: str
+    chat_template_kwargs_json: str
+    add_generation_prompt: bool
+    continue_final_message: bool
+    documents_json: str
+    def __init__(self, messages_json: _Optional[str] = ..., tools_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., documents_json: _Optional[str] = ...) -> None: ...
+
+class RenderChatResponse(_message.Message):
+    __slots__ = ("prompt_token_ids", "prompt_text")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_text: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ...) -> None: ...
+
 class ScoreRequest(_message.Message):
     __slots__ = ("sequences", "prompt_lens", "logprobs")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]

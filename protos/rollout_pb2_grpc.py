@@ -104,6 +104,11 @@ class RolloutEngineStub:
                 request_serializer=protos_dot_rollout__pb2.IsPausedRequest.SerializeToString,
                 response_deserializer=protos_dot_rollout__pb2.IsPausedResponse.FromString,
                 _registered_method=True)
+        self.RenderChat = channel.unary_unary(
+                '/rollout.v1.RolloutEngine/RenderChat',
+                request_serializer=protos_dot_rollout__pb2.RenderChatRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.RenderChatResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutEngineServicer:
@@ -213,6 +218,15 @@ class RolloutEngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenderChat(self, request, context):
+        """Chat messages rendered with the served model's chat template, as /v1/chat/completions
+        renders them: the prompt's token ids to generate from, and its text to parse the answer
+        against (EngineClient.chat parses on the client, with rollout_engine.parsing).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutEngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -285,6 +299,11 @@ def add_RolloutEngineServicer_to_server(servicer, server):
                     servicer.IsPaused,
                     request_deserializer=protos_dot_rollout__pb2.IsPausedRequest.FromString,
                     response_serializer=protos_dot_rollout__pb2.IsPausedResponse.SerializeToString,
+            ),
+            'RenderChat': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenderChat,
+                    request_deserializer=protos_dot_rollout__pb2.RenderChatRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.RenderChatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -665,6 +684,33 @@ class RolloutEngine:
             '/rollout.v1.RolloutEngine/IsPaused',
             protos_dot_rollout__pb2.IsPausedRequest.SerializeToString,
             protos_dot_rollout__pb2.IsPausedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenderChat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutEngine/RenderChat',
+            protos_dot_rollout__pb2.RenderChatRequest.SerializeToString,
+            protos_dot_rollout__pb2.RenderChatResponse.FromString,
             options,
             channel_credentials,
             insecure,

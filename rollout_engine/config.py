@@ -253,8 +253,9 @@ class ServerConfig:
     """The names HTTP requests may give as `model` (the first is reported); () takes the
     model path."""
     trust_request_chat_template: bool = False
-    """Render a chat request's own `chat_template` (vLLM's flag); without it such a request
-    gets 400: a template is code that runs in the server."""
+    """Render a chat request's own `chat_template` (vLLM's flag; HTTP chat and gRPC
+    RenderChat); without it such a request is refused: a template is code that runs in the
+    server."""
     enable_tokenizer_info_endpoint: bool = False
     """Serve `GET /tokenizer_info` (vLLM's flag): the tokenizer's configuration, chat template
     included."""
@@ -294,15 +295,15 @@ class ServerConfig:
                  "--enable-auto-tool-choice needs --tool-call-parser (the format to read)")
         if self.http_port is None:
             http_only = (self.api_key is not None, self.enable_control_endpoints,
-                         self.trust_request_chat_template, self.enable_tokenizer_info_endpoint,
+                         self.enable_tokenizer_info_endpoint,
                          self.enable_auto_tool_choice, self.tool_call_parser is not None,
                          self.reasoning_parser is not None,
                          self.exclude_tools_when_tool_choice_none,
                          self.structured_outputs_in_reasoning)
             _require(not any(http_only),
-                     "--api-key, --enable-control-endpoints, --trust-request-chat-template, "
-                     "--enable-tokenizer-info-endpoint and the tool and reasoning parser flags "
-                     "apply to the HTTP server: set --http-port too")
+                     "--api-key, --enable-control-endpoints, --enable-tokenizer-info-endpoint "
+                     "and the tool and reasoning parser flags apply to the HTTP server: set "
+                     "--http-port too")
             return
         _require(0 <= self.http_port <= 65535,
                  f"http_port must be in [0, 65535], got {self.http_port}")

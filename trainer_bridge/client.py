@@ -32,7 +32,7 @@ from rollout_engine.protocol import (
     SleepMode,
 )
 from rollout_engine.protocol.wire_codec import from_message
-from trainer_bridge import transports
+from trainer_bridge import chat_client, transports
 from trainer_bridge.client_messages import (
     Prompt,
     apply_generate_response,
@@ -251,6 +251,26 @@ class EngineClient:
         request = score_request_proto(sequences, prompt_lens, logprobs)
         reply = self._retrying(self._stub.Score, request, timeout)
         return [from_message(output, ScoreOutput) for output in reply.outputs]
+
+    # ------------------------------------------------------------------------------- chat
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None,
+                    chat_template: str | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    documents: list[dict[str, str]] | None = None) -> tuple[list[int], str]:
+        """The prompt token ids and text of a conversation, rendered by the server's chat
+        template as `/v1/chat/completions` renders it (RenderChat)."""
+        request = chat_client.render_chat_request(
+            messages, tools, chat_template, chat_template_kwargs, add_generation_prompt,
+            continue_final_message, documents)
+        reply = self._retrying(self._stub.RenderChat, request)
+        return list(reply.prompt_token_ids), reply.prompt_text
+
+    def chat(self, messages, sampling_params=None, **options: Any) -> list[RequestOutput]:
+        """`LLM.chat` over gRPC (same options: tools, chat_template, tool_parser,
+        reasoning_parser, tool_choice, ...): rendered by the server, generated, parsed here;
+        each completion's `message` beside its token ids and logprobs (chat_client.py)."""
+        return chat_client.chat(self, messages, sampling_params, **options)
 
     # --------------------------------------------------------------------- memory control
     def sleep(self, level: SleepLevel | int = 1, mode: SleepMode = "abort") -> int:

@@ -26,6 +26,12 @@ _RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", 
                               "add_generation_prompt", "continue_final_message", "tokenize"})
 
 
+UNTRUSTED_TEMPLATE_MESSAGE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template.")
+"""vLLM's words, for a request that brings its own template to a server that runs none."""
+
+
 @dataclass
 class RenderedChat:
     text: str

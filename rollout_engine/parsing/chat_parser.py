@@ -101,10 +101,12 @@ class ChatParsing:
         """False where the format's markers are special tokens."""
         if self.is_harmony:
             return False
-        return self.tool_call_parser is None or TOOL_PARSERS[self.tool_call_parser].skip_special_tokens
+        name = self.tool_call_parser
+        return name is None or TOOL_PARSERS[name].skip_special_tokens
 
     def is_active(self, parse_calls: bool) -> bool:
-        return self.reasoning_parser is not None or (parse_calls and self.tool_call_parser is not None)
+        has_tool_parser = self.tool_call_parser is not None
+        return self.reasoning_parser is not None or (parse_calls and has_tool_parser)
 
     def parser(self, prompt_text: str, tools: Sequence[dict] | None, parse_calls: bool
                ) -> ChatParser:

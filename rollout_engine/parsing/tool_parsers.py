@@ -6,8 +6,8 @@ once it has closed, whole (name and arguments in one delta), so a streamed answe
 take back a name whose arguments turn out malformed, and it folds to the one-shot answer at
 every split point. A call that does not parse stays in the content verbatim.
 
-- `hermes` (Qwen2.5, Qwen3, Hermes): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
-  any number of them, text around them.
+- `hermes` (Qwen2.5, Qwen3, Hermes): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n
+  </tool_call>`, any number of them, text around them.
 - `qwen3_xml` (Qwen3-Coder; alias `qwen3_coder`): `<tool_call>\\n<function=NAME>\\n<parameter=P>
   \\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`, values typed by the tool's schema.
 - `llama3_json`: the output is `{"name": ..., "parameters": {...}}` (`;`-separated for
@@ -284,7 +284,9 @@ class MistralToolParser(TailToolParser):
                 objs = json.loads(text)
             except json.JSONDecodeError:
                 return None
-            calls = [named_call(obj, ("arguments",)) for obj in objs] if isinstance(objs, list) else []
+            if not isinstance(objs, list):
+                return None
+            calls = [named_call(obj, ("arguments",)) for obj in objs]
             return calls if calls and None not in calls else None
         calls = []
         for part in text.split(self.anywhere_trigger):  # v11: name[ARGS]{...}, repeated

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import torch
 
 from protos import rollout_pb2 as pb
 from protos.weight_codec import DTYPES
+from rollout_engine.engine.chat_template import ChatPrompt
 from rollout_engine.engine.scoring import check_score_request
 from rollout_engine.protocol import (
     CompletionOutput,
@@ -164,3 +166,37 @@ def info_to_proto(info: EngineInfo) -> pb.GetInfoResponse:
 
 def memory_state_to_proto(state: MemoryState) -> pb.GetMemoryStateResponse:
     return to_message(state, pb.GetMemoryStateResponse())
+
+
+def chat_prompt_from_proto(request: pb.RenderChatRequest) -> ChatPrompt:
+    """A RenderChat request as the ChatPrompt `render_chat` takes; InvalidRequestError for
+    JSON that does not parse or has the wrong shape."""
+    messages = _json_field(request.messages_json, "messages_json", list, required=True)
+    if not messages:
+        raise InvalidRequestError("messages_json must hold at least one message")
+    return ChatPrompt(
+        messages=messages,
+        tools=_json_field(request.tools_json, "tools_json", list) or None,
+        documents=_json_field(request.documents_json, "documents_json", list) or None,
+        chat_template=request.chat_template if request.HasField("chat_template") else None,
+        chat_template_kwargs=_json_field(request.chat_template_kwargs_json,
+                                         "chat_template_kwargs_json", dict) or None,
+        add_generation_prompt=(request.add_generation_prompt
+                               if request.HasField("add_generation_prompt") else True),
+        continue_final_message=request.continue_final_message,
+    )
+
+
+def _json_field(text: str, name: str, kind: type, required: bool = False):
+    if not text:
+        if required:
+            raise InvalidRequestError(f"{name} is required")
+        return None
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise InvalidRequestError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, kind):
+        raise InvalidRequestError(f"{name} must be a JSON {kind.__name__}, got "
+                                  f"{type(value).__name__}")
+    return value

@@ -66,7 +66,7 @@ def build_server(engine: AsyncEngine, config: ServerConfig):
     ]
     interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    add_rollout_service(RolloutEngineServicer(engine), server)
+    add_rollout_service(RolloutEngineServicer(engine, config.trust_request_chat_template), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

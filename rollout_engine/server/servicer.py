@@ -3,11 +3,14 @@ errors become statuses in `status`."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
+from rollout_engine.engine.chat_template import UNTRUSTED_TEMPLATE_MESSAGE, render_chat
+from rollout_engine.engine.input_processor import InputProcessor
 from rollout_engine.engine.scoring import score_output, score_params
 from rollout_engine.protocol import (
     EngineSleepingError,
@@ -31,8 +34,11 @@ _NUM_REQUESTS_FIELD = {"abort": "num_aborted_requests", "wait": "num_drained_req
 class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
     """Holds no engine state: the `AsyncEngine` it shares with the HTTP front-end does."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, trust_request_chat_template: bool = False) -> None:
         self.engine = engine
+        self.trust_request_chat_template = trust_request_chat_template
+        self._processor: InputProcessor | None = None
+        """A tokenizer of this front-end's own for RenderChat, built at its first call."""
 
     # ------------------------------------------------------------------------ generation
     @streaming
@@ -78,6 +84,20 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
             score_output(output, prompt_len, num_top)
             for output, prompt_len in zip(outputs, prompt_lens)
         ])
+
+    # ------------------------------------------------------------------------------- chat
+    @unary
+    async def RenderChat(self, request: pb.RenderChatRequest, context) -> pb.RenderChatResponse:
+        prompt = convert.chat_prompt_from_proto(request)
+        if prompt.chat_template is not None and not self.trust_request_chat_template:
+            raise InvalidRequestError(UNTRUSTED_TEMPLATE_MESSAGE)
+        if self._processor is None:
+            model = self.engine.model
+            self._processor = await asyncio.to_thread(
+                InputProcessor, model.model, model.hf_config, model.max_model_len)
+        rendered = await asyncio.to_thread(render_chat, self._processor, prompt)
+        return pb.RenderChatResponse(prompt_token_ids=rendered.token_ids,
+                                     prompt_text=rendered.text)
 
     # ---------------------------------------------------------------------- memory control
     @unary

@@ -8,7 +8,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rollout_engine.config import is_loopback_host
-from rollout_engine.engine.chat_template import RenderedChat, render_chat
+from rollout_engine.engine.chat_template import (
+    UNTRUSTED_TEMPLATE_MESSAGE,
+    RenderedChat,
+    render_chat,
+)
 from rollout_engine.engine.input_processor import InputProcessor
 from rollout_engine.protocol import InvalidRequestError
 from rollout_engine.server.http.error_responses import UnknownModelError
@@ -26,10 +30,6 @@ T = TypeVar("T")
 MAX_CHAT_TEMPLATE_CHARS = 64 * 1024
 """The longest chat template a request may send (the templates of released models are a few
 KiB; compiling one is work on the server)."""
-UNTRUSTED_TEMPLATE_MESSAGE = (
-    "Chat template is passed with request, but --trust-request-chat-template is not set. "
-    "Refused request with untrusted chat template.")
-"""vLLM's words."""
 
 
 @dataclass
