@@ -24,8 +24,9 @@ def chat_sampling_params(params: SamplingParams, plan: ToolChoicePlan, parsing: 
     if plan.grammar is not None:
         if constraint is not None:
             raise InvalidRequestError(
-                "a 'required' or named tool_choice constrains the output itself: send no "
-                "structured_outputs or response_format with it")
+                "this tool_choice ('required', a named function, or 'auto' with a strict "
+                "tool) constrains the output itself: send no structured_outputs or "
+                "response_format with it")
         constraint = changes["structured_outputs"] = StructuredOutputsParams(grammar=plan.grammar)
     reasoning = parsing.reasoning_parser
     if constraint is not None and reasoning is not None and not constrain_in_reasoning:

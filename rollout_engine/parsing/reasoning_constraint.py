@@ -36,7 +36,12 @@ def answer_rule(params: StructuredOutputsParams) -> str:
                                        for c in params.choice) + "\n"
     if kind == "regex":
         return "answer: /" + params.regex.replace("/", "\\/") + "/\n"
-    return _START_RULE.sub(r"\1answer\2", params.grammar)
+    return rename_start_rule(params.grammar, "answer")
+
+
+def rename_start_rule(grammar: str, name: str) -> str:
+    """A Lark grammar whose `start` rule is called `name`, to embed it in another."""
+    return _START_RULE.sub(rf"\1{name}\2", grammar)
 
 
 def after_reasoning(params: StructuredOutputsParams, reasoning_parser: str,

@@ -141,13 +141,14 @@ def plan_tool_choice(tools: Sequence[dict] | None, tool_choice: Any, parallel_to
     if tool_choice == "none":
         return ToolChoicePlan(render_tools=not exclude_tools_when_tool_choice_none,
                               parse_calls=False)
+    functions = [tool["function"] for tool in tools
+                 if isinstance(tool, dict) and isinstance(tool.get("function"), dict)]
     if tool_choice == "auto":
         if not (enable_auto_tool_choice and tool_parser):
             raise InvalidRequestError('"auto" tool choice requires --enable-auto-tool-choice '
                                       "and --tool-call-parser to be set")
-        return ToolChoicePlan(render_tools=True, parse_calls=True)
-    functions = [tool["function"] for tool in tools
-                 if isinstance(tool, dict) and isinstance(tool.get("function"), dict)]
+        return ToolChoicePlan(render_tools=True, parse_calls=True, grammar=_strict_auto(
+            functions, tool_parser, parallel_tool_calls))
     if tool_choice == "required":
         if not functions:
             raise InvalidRequestError('tool_choice "required" needs at least one tool')
@@ -164,6 +165,32 @@ def plan_tool_choice(tools: Sequence[dict] | None, tool_choice: Any, parallel_to
     return ToolChoicePlan(render_tools=True, parse_calls=True,
                           grammar=_constraint(functions, tool_parser, parallel_tool_calls
                                               and tool_choice == "required"))
+
+
+STRICT_AUTO_PARSERS = frozenset({"hermes", "qwen3_xml", "qwen3_coder"})
+"""The formats whose calls open with `<tool_call>`: "auto" with a `strict` tool constrains
+the calls these write, and leaves the text before them free."""
+
+
+def _strict_auto(functions: Sequence[dict], tool_parser: str, parallel: bool) -> str | None:
+    """With a tool marked `strict: true` (OpenAI's flag), "auto" lets the model answer in free
+    text and, once it opens a call, holds the call to its tool's schema (tools not marked strict
+    take any object); None without a strict tool, or in a format this cannot cut."""
+    if not any(f.get("strict") is True for f in functions) or tool_parser not in (
+            STRICT_AUTO_PARSERS):
+        return None
+    loose = [f if f.get("strict") is True else {**f, "parameters": {"type": "object"}}
+             for f in functions]
+    lines = CALL_GRAMMARS[tool_parser](loose, parallel).splitlines(keepends=True)
+    call = next(line for line in lines if line.startswith("call:"))
+    # The text before the first call is one lexeme that ends with its "<tool_call>" (so the
+    # lexer never has to take text back), and the first call goes on from there.
+    first_call = "first_call:" + call[len("call:"):].replace('"<tool_call>', '"')
+    repeat = ' ("\\n" call)*' if parallel else ""
+    return (f"start: FREE_TEXT | TEXT_TO_CALL first_call{repeat}\n"
+            "FREE_TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/\n"
+            "TEXT_TO_CALL: /(?s:.*<tool_call>)/ & ~/(?s:.*<tool_call>.+)/\n"
+            + first_call + "".join(line for line in lines if not line.startswith("start:")))
 
 
 def _constraint(functions: Sequence[dict], tool_parser: str | None, parallel: bool) -> str:

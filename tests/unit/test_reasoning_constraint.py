@@ -81,3 +81,28 @@ def test_chat_lets_a_random_model_reason_freely_before_the_constraint(llama_dir)
                for c in output.outputs)
     (plain,) = llm.chat([{"role": "user", "content": "ok?"}], params, chat_template=template)
     assert {c.text for c in plain.outputs} <= {"yes", "no"}
+
+
+def test_auto_with_a_strict_tool_constrains_only_the_calls(compiler):
+    from rollout_engine.parsing import plan_tool_choice
+
+    strict_tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+    loose_tool = {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"b": {"type": "string"}}}}}
+    plan = plan_tool_choice([strict_tool, loose_tool], "auto", True, "hermes", True)
+    params = StructuredOutputsParams(grammar=plan.grammar)
+    call = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'.format
+    assert accepts(compiler, params, "Just text, no call < at all.")
+    assert accepts(compiler, params, "Sure: " + call("f", '{"a": 3}'))
+    assert accepts(compiler, params, call("g", '{"anything": [1]}'))  # not strict: any object
+    assert not accepts(compiler, params, "Sure: " + call("f", '{"a": "3"}'))
+    assert not accepts(compiler, params, call("f", '{"a": 3, "extra": 1}'))
+    assert not accepts(compiler, params, call("h", "{}"))
+    assert plan_tool_choice([loose_tool], "auto", True, "hermes", True).grammar is None
+    assert plan_tool_choice([strict_tool], "auto", True, "pythonic", True).grammar is None
+    xml = StructuredOutputsParams(grammar=plan_tool_choice(
+        [strict_tool], "auto", True, "qwen3_xml", True).grammar)
+    xml_call = "<tool_call>\n<function=f>\n<parameter=a>\n{}\n</parameter>\n</function>\n</tool_call>"
+    assert accepts(compiler, xml, "Checking. " + xml_call.format(7))
+    assert not accepts(compiler, xml, "Checking. " + xml_call.format("seven"))

@@ -175,7 +175,8 @@ def _chat_tool(tool: Any, i: int) -> dict:
         kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
         raise InvalidRequestError(f"tools[{i}] is a {kind!r} tool; this server runs function "
                                   "tools only")
-    function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict")
+                if k in tool}
     return {"type": "function", "function": function}
 
 
