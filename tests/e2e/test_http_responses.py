@@ -42,9 +42,37 @@ def test_a_call_then_its_output_through_previous_response_id(oai):
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
 
 
+def test_a_streamed_response_sends_the_events_of_its_items(oai):
+    forced = ("<think>\nPlan.\n</think>\n\nChecking.\n<tool_call>\n"
+              '{"name": "get_weather", "arguments": {"city": "Tokyo"}}\n</tool_call>')
+    fields = {"model": AGENT_MODEL_NAME, "input": "Weather in Tokyo?", "tools": [WEATHER],
+              "max_output_tokens": 150, "extra_body": {"structured_outputs": {"choice": [forced]}}}
+    whole = oai.responses.create(**fields)
+    events = list(oai.responses.create(**fields, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    streamed = events[-1].response
+    assert [i.type for i in streamed.output] == [i.type for i in whole.output] == [
+        "reasoning", "message", "function_call"]
+    added = [e.item.id for e in events if e.type == "response.output_item.added"]
+    done = [e.item.id for e in events if e.type == "response.output_item.done"]
+    assert added == done == [i.id for i in streamed.output]  # each item opened and closed once
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert (text, reasoning) == ("Checking.", "Plan.") and streamed.output_text == "Checking."
+    call, whole_call = streamed.output[2], whole.output[2]
+    assert (call.name, call.arguments) == (whole_call.name, whole_call.arguments) == (
+        "get_weather", '{"city": "Tokyo"}')
+    cut = list(oai.responses.create(model=AGENT_MODEL_NAME, input="hi", max_output_tokens=3,
+                                    stream=True, extra_body={"ignore_eos": True}))
+    assert cut[-1].type == "response.incomplete"  # as OpenAI ends a truncated response
+    assert cut[-1].response.incomplete_details.reason == "max_output_tokens"
+
+
 def test_what_this_server_does_not_run_is_refused(oai):
     for fields, message in [
-        ({"stream": True}, "not supported yet"),
+        ({"background": True}, "not supported"),
         ({"previous_response_id": "resp_unknown"}, "unknown here"),
         ({"tools": [{"type": "web_search"}]}, "function tools only"),
         ({"input": [{"type": "image_generation_call"}]}, "this server takes"),
@@ -71,7 +99,10 @@ def test_an_openai_agents_agent_on_its_default_responses_model(agent_server):
     agent = Agent(name="weather", instructions="Answer with the tool's result.",
                   tools=[function_tool(get_weather)],
                   model=OpenAIResponsesModel(model=AGENT_MODEL_NAME, openai_client=client),
-                  model_settings=ModelSettings(tool_choice="get_weather", max_tokens=96))
+                  # EOS favoured: the call is constrained whole first, and the free second
+                  # turn ends at once (a truncated response stops the agent, as OpenAI's does).
+                  model_settings=ModelSettings(tool_choice="get_weather", max_tokens=96,
+                                               extra_body={"logit_bias": {"0": 100}}))
     calls_made.clear()
     result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
     kinds = [item.type for item in result.new_items]

@@ -4,9 +4,11 @@ default model class speaks), over the chat pipeline: the input items become chat
 and the tool's answers), function tools become chat tools, and the parsed answer comes back as
 `reasoning`, `message` and `function_call` output items. `previous_response_id` continues a
 conversation this server answered (the last `MAX_STORED_RESPONSES` are kept in memory).
+`stream: true` sends the Responses API's events (`response.created`, `output_item.added`, text,
+reasoning and argument deltas, ... `response.completed`), items as the parsers give them.
 
-Refused, saying so: streaming (`stream: true`), `background`, hosted tools (web search, file
-search, ...), `conversation` and stored `prompt` templates."""
+Refused, saying so: `background`, hosted tools (web search, file search, ...), `conversation`
+and stored `prompt` templates."""
 
 from __future__ import annotations
 
@@ -15,19 +17,21 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from rollout_engine.parsing import ParsedMessage
-from rollout_engine.protocol import InvalidRequestError, RequestOutputKind
+from rollout_engine.parsing import ChatParser, MessageDelta, ParsedMessage
+from rollout_engine.protocol import InvalidRequestError, RequestOutput, RequestOutputKind
 from rollout_engine.server.http.api_models import ChatCompletionRequest
 from rollout_engine.server.http.chat_tools import ChatTools
 from rollout_engine.server.http.context import serving
 from rollout_engine.server.http.error_responses import json_response
 from rollout_engine.server.http.generation import parse_body, read_json_object, until_disconnected
 from rollout_engine.server.http.sampling import chat_params
+from rollout_engine.server.http.sse import EventStreamResponse, event
 
 router = APIRouter()
 MAX_STORED_RESPONSES = 1024
@@ -38,8 +42,7 @@ RESPONSES_FIELDS = frozenset({
     "max_tool_calls", "top_logprobs", "stream_options", "user"})
 """The Responses API's own fields; the others (model, temperature, top_p, vLLM's sampling
 extras such as `seed` or `structured_outputs`) are the chat request's."""
-REFUSED = {"stream": "streamed responses are not supported yet; send stream false",
-           "background": "background responses are not supported",
+REFUSED = {"background": "background responses are not supported",
            "conversation": "conversation objects are not supported; use previous_response_id",
            "prompt": "stored prompt templates are not supported"}
 
@@ -84,18 +87,162 @@ async def create_response(raw_request: Request) -> Response:
     prompt = await ctx.render_chat(tools.prompt_request())
     params = tools.constrain(chat_params(request, len(prompt.token_ids), ctx.max_model_len),
                              prompt.text)
+    response_id = f"resp_{uuid.uuid4().hex}"
+    stream = ResponseStream(body, response_id, ctx.model_name, tools.parser(prompt.text),
+                            lambda parsed: store.put(response_id, [
+                                *messages, _assistant_message(parsed)]))
+    if body.get("stream"):
+        generation = ctx.engine.generate([prompt.token_ids], [params], RequestOutputKind.DELTA,
+                                         "resp")
+        await generation.start()  # admission and the engine's checks answer with a status
+        return EventStreamResponse(stream.events(generation), generation.close)
     generation = ctx.engine.generate([prompt.token_ids], [params], RequestOutputKind.FINAL_ONLY,
                                      "resp")
     (output,) = await until_disconnected(raw_request, generation.final_outputs())
-    (completion,) = output.outputs
-    parser = tools.parser(prompt.text)
-    parsed = parser.parse(completion.text) if parser else ParsedMessage(completion.text, None)
-    response_id = f"resp_{uuid.uuid4().hex}"
-    if body.get("store", True):
-        store.put(response_id, [*messages, _assistant_message(parsed)])
-    return json_response(_response(body, response_id, ctx.model_name, parsed,
-                                   completion.finish_reason, len(output.prompt_token_ids),
-                                   len(completion.token_ids)))
+    for _ in stream.add(output):
+        pass
+    return json_response(stream.finish())
+
+
+class ResponseStream:
+    """One response's output items as its text arrives (whole, or piece by piece), the events
+    of a streamed response on the way, and the response object at the end (stored for
+    `previous_response_id` unless `store` is false)."""
+
+    def __init__(self, body: dict, response_id: str, model: str, parser: ChatParser | None,
+                 store) -> None:
+        self.body, self.response_id, self.model = body, response_id, model
+        self.parser, self._store = parser, store
+        self.items: list[dict] = []
+        self._open: dict | None = None  # the reasoning or message item text is going into
+        self._deltas: list[MessageDelta] = []
+        self._num_events = 0
+        self.finish_reason: str | None = None
+        self.num_prompt_tokens = self.num_output_tokens = 0
+
+    async def events(self, generation) -> AsyncIterator[str]:
+        try:
+            yield self._event("response.created", response=self._response("in_progress"))
+            async for _, output in generation:
+                for event in self.add(output):
+                    yield event
+            for event in self._close():
+                yield event
+            response = self.finish()  # a truncated one ends as OpenAI ends it: "incomplete"
+            yield self._event(f"response.{response['status']}", response=response)
+        finally:
+            generation.close()
+
+    def add(self, output: RequestOutput) -> Iterator[str]:
+        """The events of one engine output (the sample's news, or the whole completion)."""
+        self.num_prompt_tokens = len(output.prompt_token_ids)
+        for completion in output.outputs:
+            self.num_output_tokens += len(completion.token_ids)
+            delta = (self.parser.feed(completion.text) if self.parser
+                     else MessageDelta(completion.text))
+            if completion.finish_reason is not None:
+                self.finish_reason = completion.finish_reason
+                if self.parser:
+                    delta = delta.merge(self.parser.finish())
+            self._deltas.append(delta)
+            yield from self._delta_events(delta)
+
+    def finish(self) -> dict:
+        list(self._close())
+        parsed = ParsedMessage.fold(self._deltas)
+        if self.body.get("store", True):
+            self._store(parsed)
+        truncated = self.finish_reason == "length"
+        return self._response("incomplete" if truncated else "completed")
+
+    def _delta_events(self, delta: MessageDelta) -> Iterator[str]:
+        if delta.reasoning:
+            yield from self._text_events("reasoning", delta.reasoning)
+        if delta.content:
+            yield from self._text_events("message", delta.content)
+        for call in delta.tool_calls:
+            yield from self._close()
+            item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}",
+                    "call_id": call.call.id, "name": call.call.name,
+                    "arguments": call.call.arguments, "status": "completed"}
+            index = len(self.items)
+            self.items.append(item)
+            yield self._event("response.output_item.added", output_index=index,
+                              item={**item, "arguments": "", "status": "in_progress"})
+            yield self._event("response.function_call_arguments.delta", item_id=item["id"],
+                              output_index=index, delta=item["arguments"])
+            yield self._event("response.function_call_arguments.done", item_id=item["id"],
+                              output_index=index, arguments=item["arguments"])
+            yield self._event("response.output_item.done", output_index=index, item=item)
+
+    def _text_events(self, kind: str, text: str) -> Iterator[str]:
+        if self._open is None or self._open["type"] != kind:
+            yield from self._close()
+            yield from self._open_item(kind)
+        item, index = self._open, len(self.items) - 1
+        item["content"][0]["text"] += text
+        name = "response.reasoning_text.delta" if kind == "reasoning" else (
+            "response.output_text.delta")
+        yield self._event(name, item_id=item["id"], output_index=index, content_index=0,
+                          delta=text, **({} if kind == "reasoning" else {"logprobs": []}))
+
+    def _open_item(self, kind: str) -> Iterator[str]:
+        if kind == "reasoning":
+            part = {"type": "reasoning_text", "text": ""}
+            item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                    "content": [part]}
+        else:
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant",
+                    "status": "completed", "content": [part]}
+        self._open = item
+        self.items.append(item)
+        index = len(self.items) - 1
+        yield self._event("response.output_item.added", output_index=index,
+                          item={**item, "content": [], "status": "in_progress"})
+        yield self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                          content_index=0, part={**part, "text": ""})
+
+    def _close(self) -> Iterator[str]:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        index, part = self.items.index(item), item["content"][0]
+        done = ("response.reasoning_text.done" if item["type"] == "reasoning"
+                else "response.output_text.done")
+        yield self._event(done, item_id=item["id"], output_index=index, content_index=0,
+                          text=part["text"], **({} if item["type"] == "reasoning"
+                                                else {"logprobs": []}))
+        yield self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                          content_index=0, part=part)
+        yield self._event("response.output_item.done", output_index=index, item=item)
+
+    def _event(self, kind: str, **fields) -> str:
+        self._num_events += 1
+        payload = {"type": kind, "sequence_number": self._num_events - 1, **fields}
+        return f"event: {kind}\n" + event(payload)
+
+    def _response(self, status: str) -> dict:
+        body, truncated = self.body, status == "incomplete"
+        return {
+            "id": self.response_id, "object": "response", "created_at": int(time.time()),
+            "status": status,
+            "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
+            "error": None, "model": self.model, "output": self.items,
+            "instructions": body.get("instructions"), "previous_response_id":
+            body.get("previous_response_id"), "max_output_tokens": body.get("max_output_tokens"),
+            "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+            "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "metadata": body.get("metadata") or {}, "store": body.get("store", True),
+            "text": body.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
+            "reasoning": body.get("reasoning"), "user": None,
+            "usage": {"input_tokens": self.num_prompt_tokens,
+                      "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": self.num_output_tokens,
+                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": self.num_prompt_tokens + self.num_output_tokens},
+        }
 
 
 def _messages(body: dict) -> list[dict]:
@@ -185,40 +332,3 @@ def _assistant_message(parsed: ParsedMessage) -> dict:
     if parsed.tool_calls:
         message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
     return message
-
-
-def _response(body: dict, response_id: str, model: str, parsed: ParsedMessage,
-              finish_reason: str | None, num_prompt_tokens: int, num_output_tokens: int) -> dict:
-    output: list[dict] = []
-    if parsed.reasoning:
-        output.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
-                       "content": [{"type": "reasoning_text", "text": parsed.reasoning}]})
-    if parsed.content:
-        output.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant",
-                       "status": "completed", "content": [
-                           {"type": "output_text", "text": parsed.content, "annotations": [],
-                            "logprobs": []}]})
-    for call in parsed.tool_calls:
-        output.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}",
-                       "call_id": call.id, "name": call.name, "arguments": call.arguments,
-                       "status": "completed"})
-    truncated = finish_reason == "length"
-    return {
-        "id": response_id, "object": "response", "created_at": int(time.time()),
-        "status": "incomplete" if truncated else "completed",
-        "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
-        "error": None, "model": model, "output": output,
-        "instructions": body.get("instructions"), "previous_response_id":
-        body.get("previous_response_id"), "max_output_tokens": body.get("max_output_tokens"),
-        "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-        "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "metadata": body.get("metadata") or {}, "store": body.get("store", True),
-        "text": body.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
-        "reasoning": body.get("reasoning"), "user": None,
-        "usage": {"input_tokens": num_prompt_tokens,
-                  "input_tokens_details": {"cached_tokens": 0},
-                  "output_tokens": num_output_tokens,
-                  "output_tokens_details": {"reasoning_tokens": 0},
-                  "total_tokens": num_prompt_tokens + num_output_tokens},
-    }
