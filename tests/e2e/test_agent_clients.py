@@ -62,30 +62,32 @@ def test_a_smolagents_tool_calling_agent_runs_its_loop(agent_server):
         assert answer in ("sunny", "rainy")
 
 
-def test_an_openai_agents_agent_calls_its_tool_and_finishes(agent_server):
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
+def run_weather_agent(agent_server, model_class: str, **settings):
+    """An openai-agents `Agent` whose first turn must call get_weather, on `model_class`
+    (`OpenAIChatCompletionsModel` or `OpenAIResponsesModel`); checks the call reached the
+    tool and the run finished; its result."""
+    import agents
     from openai import AsyncOpenAI
 
-    set_tracing_disabled(True)
+    agents.set_tracing_disabled(True)
     client = AsyncOpenAI(base_url=f"{agent_server.http_url}/v1", api_key="unused")
-    agent = Agent(name="weather", instructions="Answer with the tool's result.",
-                  tools=[function_tool(get_weather)],
-                  model=OpenAIChatCompletionsModel(model=AGENT_MODEL_NAME, openai_client=client),
-                  model_settings=ModelSettings(tool_choice="get_weather", max_tokens=96))
+    model = getattr(agents, model_class)(model=AGENT_MODEL_NAME, openai_client=client)
+    agent = agents.Agent(name="weather", instructions="Answer with the tool's result.",
+                         tools=[agents.function_tool(get_weather)], model=model,
+                         model_settings=agents.ModelSettings(tool_choice="get_weather",
+                                                             max_tokens=96, **settings))
     calls_made.clear()
-    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"], kinds
     assert len(calls_made) == 1 and calls_made[0] in CITIES
     assert result.new_items[1].output == f"22 degrees in {calls_made[0]}"
     assert isinstance(result.final_output, str)  # the second turn: "auto", a random answer
+    return result
+
+
+def test_an_openai_agents_agent_calls_its_tool_and_finishes(agent_server):
+    run_weather_agent(agent_server, "OpenAIChatCompletionsModel")
 
 
 def test_langchain_openai_bind_tools_runs_a_two_step_loop(agent_server):

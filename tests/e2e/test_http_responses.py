@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.e2e.http_helpers import AGENT_MODEL_NAME
+from tests.e2e.test_agent_clients import run_weather_agent
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city.",
            "parameters": {"type": "object", "properties": {
@@ -82,30 +83,7 @@ def test_what_this_server_does_not_run_is_refused(oai):
 
 
 def test_an_openai_agents_agent_on_its_default_responses_model(agent_server):
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
-    from openai import AsyncOpenAI
-
-    from tests.e2e.test_agent_clients import CITIES, calls_made, get_weather
-
-    set_tracing_disabled(True)
-    client = AsyncOpenAI(base_url=f"{agent_server.http_url}/v1", api_key="unused")
-    agent = Agent(name="weather", instructions="Answer with the tool's result.",
-                  tools=[function_tool(get_weather)],
-                  model=OpenAIResponsesModel(model=AGENT_MODEL_NAME, openai_client=client),
-                  # EOS favoured: the call is constrained whole first, and the free second
-                  # turn ends at once (a truncated response stops the agent, as OpenAI's does).
-                  model_settings=ModelSettings(tool_choice="get_weather", max_tokens=96,
-                                               extra_body={"logit_bias": {"0": 100}}))
-    calls_made.clear()
-    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
-    kinds = [item.type for item in result.new_items]
-    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"], kinds
-    assert len(calls_made) == 1 and calls_made[0] in CITIES
-    assert isinstance(result.final_output, str)
+    # EOS favoured: the call is constrained whole first, and the free second turn ends at
+    # once (a truncated response stops the agent, as OpenAI's does).
+    run_weather_agent(agent_server, "OpenAIResponsesModel",
+                      extra_body={"logit_bias": {"0": 100}})
