@@ -90,9 +90,9 @@ def test_an_answer_without_calls_is_content(oai):
                                                        "function": {"name": "search"}}])
 def test_constrained_calls_from_a_random_model_all_parse_and_validate(oai, llama_dir,
                                                                        tool_choice):
-    """200 samples at temperature 1 (100 for the named tool): every one a single call in
-    hermes' format, whose arguments match the tool's JSON Schema."""
-    n = 200 if tool_choice == "required" else 100
+    """200 samples at temperature 1: every one a single call in hermes' format, whose
+    arguments match the tool's JSON Schema."""
+    n = 200
     response = create(oai, n=n, temperature=1.0, seed=5, max_tokens=180,
                       tool_choice=tool_choice, parallel_tool_calls=False)
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
