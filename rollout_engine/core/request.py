@@ -77,6 +77,9 @@ class Request:
         self.num_output_placeholders = 0
         """Async scheduling: tokens being sampled by steps in flight, not yet committed. Their
         positions are already counted in `num_computed_tokens` by the steps after them."""
+        self.num_cached_tokens: int | None = None
+        """Prompt tokens found in the prefix cache when it was first scheduled (vLLM's
+        `num_cached_tokens`); None until then, kept across preemption."""
         self.num_steps_in_flight = 0
         """Scheduled steps of this request whose outputs have not landed yet."""
         self.num_preemptions = 0

@@ -350,6 +350,8 @@ class Scheduler:
             self.waiting.popleft()
             request.num_computed_tokens = num_computed
             self.num_prefix_hit_tokens += num_hit_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.add(request, num_new, self.kv_cache_manager.get_block_ids(request.request_id))
@@ -376,6 +378,8 @@ class Scheduler:
             return None
         self.waiting.popleft()
         self.num_prefix_hit_tokens += num_hit_tokens
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_hit_tokens
         output.kv_loads.append(load)
         return True
 

@@ -150,7 +150,8 @@ class OutputProcessor:
             prompt_finished = group.is_finished
         outputs = [self._completion(group, j, weight_version) for j in samples]
         output = RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.prompt,
-                               self._prompt_logprobs(group), prompt_finished)
+                               self._prompt_logprobs(group), prompt_finished,
+                               group.children[0].num_cached_tokens)
         if output.finished:
             self.stats.on_finished(group.children)
             del self._groups[group.request_id]

@@ -130,6 +130,9 @@ class RequestOutput:
     prompt_finished: bool | None = field(default=None, compare=False)
     """Set on DELTA outputs, which leave out the samples without news: whether every sample
     of the prompt has finished. None: `outputs` has every sample and tells."""
+    num_cached_tokens: int | None = field(default=None, compare=False)
+    """Prompt tokens read from the prefix cache, not computed (vLLM's), when the prompt's
+    first sample was first scheduled; None before that (and over gRPC, for now)."""
 
     @property
     def finished(self) -> bool:

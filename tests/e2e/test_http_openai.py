@@ -203,3 +203,21 @@ def test_a_streamed_echo_of_no_tokens_is_the_prompt_alone(oai, model_id):
     assert [t for c in streamed for t in c.logprobs.tokens] == whole.logprobs.tokens
     assert chunks[-1].usage.completion_tokens == 0
     assert chunks[-1].usage.prompt_tokens == len(PROMPTS[0])
+
+
+def test_usage_reports_the_prompt_tokens_read_from_the_cache(oai, model_id):
+    prompt = list(range(300, 340))  # 40 tokens no other test sends: two full 16-token blocks
+    fields = {"model": model_id, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
+    first, second = (oai.completions.create(**fields) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 32
+    messages = [{"role": "user", "content": "tell me about the cache " * 4}]
+    replies = [oai.chat.completions.create(model=model_id, messages=messages, max_tokens=2,
+                                           extra_body={"chat_template": CHAT_TEMPLATE})
+               for _ in range(2)]
+    full_blocks = (replies[1].usage.prompt_tokens - 1) // 16 * 16  # one is always computed
+    assert replies[1].usage.prompt_tokens_details.cached_tokens == full_blocks
+    streamed = list(oai.chat.completions.create(
+        model=model_id, messages=messages, max_tokens=2, stream=True,
+        stream_options={"include_usage": True}, extra_body={"chat_template": CHAT_TEMPLATE}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == full_blocks

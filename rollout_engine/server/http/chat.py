@@ -88,7 +88,7 @@ def chat_response(ctx: ServingContext, tools: ChatTools, response_id: str,
     response = {
         "id": response_id, "object": "chat.completion", "created": int(time.time()),
         "model": ctx.model_name, "choices": choices,
-        "usage": usage(len(prompt.token_ids), num_generated),
+        "usage": usage(len(prompt.token_ids), num_generated, output.num_cached_tokens or 0),
         "system_fingerprint": None,
         "prompt_logprobs": None if output.prompt_logprobs is None else prompt_logprobs_json(
             output.prompt_logprobs, TokenTexts(ctx.tokenizer, False)),
@@ -131,6 +131,7 @@ class ChatStream:
         self.parsers: dict[int, ChatParser] = {}
         """Each choice's parser, with parsing on; built when the run prompt is known."""
         self.num_tool_calls = [0] * params.n
+        self.num_cached_tokens = 0
         self.header = {"id": response_id, "object": "chat.completion.chunk",
                        "created": int(time.time()), "model": ctx.model_name}
         self.texts = TokenTexts(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
@@ -143,6 +144,7 @@ class ChatStream:
         try:
             first = True
             async for _, output in generation:
+                self.num_cached_tokens = output.num_cached_tokens or self.num_cached_tokens
                 if first:
                     self.prompt, first = as_run(self.ctx, self.prompt, output), False
                     for j in range(self.params.n):
@@ -202,4 +204,5 @@ class ChatStream:
         return self.tools.delta(delta)
 
     def _usage(self) -> dict:
-        return usage(len(self.prompt.token_ids), self.num_completion_tokens)
+        return usage(len(self.prompt.token_ids), self.num_completion_tokens,
+                     self.num_cached_tokens)

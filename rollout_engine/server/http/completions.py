@@ -100,7 +100,7 @@ def completion_response(ctx: ServingContext, request: CompletionRequest, respons
     return {
         "id": response_id, "object": "text_completion", "created": int(time.time()),
         "model": ctx.model_name, "choices": choices,
-        "usage": usage(num_prompt_tokens, num_generated),
+        "usage": usage(num_prompt_tokens, num_generated, num_cached(outputs)),
         "system_fingerprint": None, "kv_transfer_params": None,
     }
 
@@ -151,9 +151,17 @@ def _prompt_text(ctx: ServingContext, prompt: Prompt) -> str:
     return "" if ctx.tokenizer is None else ctx.tokenizer.decode(prompt.token_ids)
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0
+          ) -> dict:
+    """OpenAI's usage, with `prompt_tokens_details.cached_tokens` (the prompt tokens read from
+    the prefix cache) on every answer."""
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+
+
+def num_cached(outputs: list[RequestOutput]) -> int:
+    return sum(output.num_cached_tokens or 0 for output in outputs)
 
 
 # -------------------------------------------------------------------------------- streaming
@@ -172,6 +180,8 @@ class CompletionStream:
                        "created": int(time.time()), "model": ctx.model_name}
         self.texts = TokenTexts(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
         self.ran: dict[int, Prompt] = {}
+        self.num_cached: dict[int, int] = {}
+        """Each prompt's tokens read from the prefix cache, once its outputs tell."""
         self.num_tokens: dict[tuple[int, int], int] = {}
         """Per (prompt, sample) that has streamed: its tokens so far, for usage."""
         self.text_offsets: dict[tuple[int, int], int] = {}
@@ -185,6 +195,8 @@ class CompletionStream:
             async for i, output in generation:
                 if i not in self.ran:
                     self.ran[i] = as_run(self.prompts[i], output)
+                if output.num_cached_tokens is not None:
+                    self.num_cached[i] = output.num_cached_tokens
                 if output.prompt_logprobs is not None:
                     self.prompt_logprobs[i] = output.prompt_logprobs
                 for completion in output.outputs:
@@ -239,4 +251,4 @@ class CompletionStream:
 
     def _usage(self) -> dict:
         return usage(sum(len(p.token_ids) for p in self.ran.values()),
-                     sum(self.num_tokens.values()))
+                     sum(self.num_tokens.values()), sum(self.num_cached.values()))

@@ -118,7 +118,7 @@ class ResponseStream:
         self._deltas: list[MessageDelta] = []
         self._num_events = 0
         self.finish_reason: str | None = None
-        self.num_prompt_tokens = self.num_output_tokens = 0
+        self.num_prompt_tokens = self.num_output_tokens = self.num_cached_tokens = 0
 
     async def events(self, generation) -> AsyncIterator[str]:
         try:
@@ -136,6 +136,7 @@ class ResponseStream:
     def add(self, output: RequestOutput) -> Iterator[str]:
         """The events of one engine output (the sample's news, or the whole completion)."""
         self.num_prompt_tokens = len(output.prompt_token_ids)
+        self.num_cached_tokens = output.num_cached_tokens or self.num_cached_tokens
         for completion in output.outputs:
             self.num_output_tokens += len(completion.token_ids)
             delta = (self.parser.feed(completion.text) if self.parser
@@ -238,7 +239,7 @@ class ResponseStream:
             "text": body.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
             "reasoning": body.get("reasoning"), "user": None,
             "usage": {"input_tokens": self.num_prompt_tokens,
-                      "input_tokens_details": {"cached_tokens": 0},
+                      "input_tokens_details": {"cached_tokens": self.num_cached_tokens},
                       "output_tokens": self.num_output_tokens,
                       "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": self.num_prompt_tokens + self.num_output_tokens},
