@@ -191,3 +191,28 @@ def _tool_call(call: Any, i: int) -> dict[str, Any]:
                 f"messages[{i}]: tool call arguments are not valid JSON: {arguments!r}") from None
     call["function"] = function
     return call
+
+
+def extend_tokens(processor: InputProcessor, rendered: RenderedChat, tokens: list[int]
+                  ) -> RenderedChat:
+    """Token-in chat (prime-rl's `/v1/chat/completions/tokens`): the prompt is `tokens` (the
+    previous turn's prompt and completion ids, as sampled) followed by the tokens of what the
+    template renders after them (the new tool and user messages, the generation prompt), so
+    earlier turns are never tokenized again. The rendered conversation must extend the text of
+    `tokens` exactly; a template that rewrites history (drops reasoning, reformats calls)
+    cannot be bridged, and says where the two part."""
+    if not tokens or not all(isinstance(t, int) and 0 <= t < processor.vocab_size
+                             for t in tokens):
+        raise InvalidRequestError("tokens must be a non-empty list of this model's token ids")
+    before = processor.tokenizer.decode(tokens, skip_special_tokens=False)
+    if not rendered.text.startswith(before):
+        at = next((i for i, (a, b) in enumerate(zip(before, rendered.text)) if a != b),
+                  min(len(before), len(rendered.text)))
+        raise InvalidRequestError(
+            "the chat template does not extend `tokens`: at character "
+            f"{at} the rendered conversation has {rendered.text[at:at + 40]!r} where the "
+            f"tokens decode to {before[at:at + 40]!r} (a template that rewrites earlier turns, "
+            "or messages that are not the previous turn's output, cannot be bridged)")
+    suffix = rendered.text[len(before):]
+    new_ids = processor.tokenizer.encode(suffix, add_special_tokens=False) if suffix else []
+    return RenderedChat(rendered.text, list(tokens) + new_ids)

@@ -216,6 +216,13 @@ class TokenizeCompletionRequest(VllmRequest):
     return_token_strs: bool | None = False
 
 
+class TokenChatCompletionRequest(ChatCompletionRequest):
+    """`POST /v1/chat/completions/tokens` (prime-rl's): a chat request and `tokens`, the
+    previous turn's prompt and completion ids; the prompt extends them (token in)."""
+
+    tokens: Annotated[list[int], Field(min_length=1)]
+
+
 class TokenizeChatRequest(VllmRequest):
     """`POST /tokenize` with messages: the prompt the chat template renders."""
 

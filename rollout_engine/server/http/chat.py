@@ -4,7 +4,10 @@ completions of it, answered as `vllm serve` answers: the assistant message per c
 (`logprobs` / `top_logprobs`), and server-sent events with `stream`.
 
 Tools are rendered into the prompt; with `--tool-call-parser` and `--reasoning-parser` the
-answer's calls and reasoning are parsed out of the text (`chat_tools.py`)."""
+answer's calls and reasoning are parsed out of the text (`chat_tools.py`).
+`POST /v1/chat/completions/tokens` (prime-rl's) takes the same body and `tokens`, the previous
+turn's prompt and completion ids: the prompt extends them instead of tokenizing the
+conversation again (`extend_tokens`)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from rollout_engine.engine.chat_template import RenderedChat
+from rollout_engine.engine.chat_template import RenderedChat, extend_tokens
 from rollout_engine.parsing import ChatParser
 from rollout_engine.protocol import (
     CompletionOutput,
@@ -24,7 +27,10 @@ from rollout_engine.protocol import (
     RequestOutputKind,
     SamplingParams,
 )
-from rollout_engine.server.http.api_models import ChatCompletionRequest
+from rollout_engine.server.http.api_models import (
+    ChatCompletionRequest,
+    TokenChatCompletionRequest,
+)
 from rollout_engine.server.http.chat_tools import ChatTools, finish_reason
 from rollout_engine.server.http.completions import usage
 from rollout_engine.server.http.context import ServingContext, serving
@@ -43,12 +49,26 @@ ROLE = "assistant"
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(raw_request: Request) -> Response:
+    return await _chat_completion(raw_request, ChatCompletionRequest)
+
+
+@router.post("/v1/chat/completions/tokens")
+async def create_token_chat_completion(raw_request: Request) -> Response:
+    """Token in: the prompt is the request's `tokens` and the tokens of what the conversation
+    adds after them (`extend_tokens`); earlier turns are never tokenized again."""
+    return await _chat_completion(raw_request, TokenChatCompletionRequest)
+
+
+async def _chat_completion(raw_request: Request, model: type[ChatCompletionRequest]
+                           ) -> Response:
     ctx = serving(raw_request)
-    request = await read_json(raw_request, ChatCompletionRequest, ctx.config.max_message_bytes)
+    request = await read_json(raw_request, model, ctx.config.max_message_bytes)
     ctx.check_model(request.model)
     tools = ChatTools.for_request(request, ctx.config)
     prompt = await ctx.render_chat(tools.prompt_request(),
                                    fit_model=request.truncate_prompt_tokens is None)
+    if isinstance(request, TokenChatCompletionRequest):
+        prompt = await ctx.off_loop(extend_tokens, ctx.processor, prompt, request.tokens)
     params = tools.constrain(chat_params(request, len(prompt.token_ids), ctx.max_model_len),
                              prompt.text)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
