@@ -81,14 +81,15 @@ def streamed_us_per_token(text: str, replay: bool) -> float:
 
 
 def streaming_rows(lengths: list[int]) -> None:
-    print(f"\nstreaming parse (qwen3 reasoning + hermes calls), {CHARS_PER_TOKEN}-char pieces")
-    print(f"{'tokens':>7} {'incremental us/token':>21} {'replay us/token':>16} {'replay/ours':>12}")
+    print(f"\nstreaming parse (qwen3 reasoning + hermes calls), {CHARS_PER_TOKEN}-char pieces\n")
+    print("| tokens | incremental us/token | replay us/token | replay / ours |")
+    print("|---:|---:|---:|---:|")
     streamed_us_per_token(synthetic_answer(256), replay=False)  # warm-up: regexes, imports
     for length in tqdm(lengths, desc="lengths", leave=False):
         text = synthetic_answer(length)
         ours = min(streamed_us_per_token(text, replay=False) for _ in range(3))
         replay = streamed_us_per_token(text, replay=True)
-        print(f"{length:>7} {ours:>21.2f} {replay:>16.1f} {replay / ours:>11.0f}x")
+        print(f"| {length:,} | {ours:.2f} | {replay:.1f} | {replay / ours:.0f}x |")
 
 
 def chat_overhead_rows(args: argparse.Namespace) -> None:
@@ -114,10 +115,10 @@ def chat_overhead_rows(args: argparse.Namespace) -> None:
                     samples.append(time.perf_counter() - start)
             none, auto = (statistics.median(times[c][1:]) for c in ("none", "auto"))
             print(f"\nchat request, n={args.n}, {args.max_tokens} tokens, median of "
-                  f"{args.num_requests} (after a warm-up)")
-            print(f"{'tool_choice':<28} {'wall s':>8} {'ratio':>7}")
-            print(f"{'none (not parsed)':<28} {none:>8.3f} {1.0:>7.3f}")
-            print(f"{'auto (parsed: hermes+qwen3)':<28} {auto:>8.3f} {auto / none:>7.3f}")
+                  f"{args.num_requests} (after a warm-up)\n")
+            print("| tool_choice | wall s | ratio |\n|---|---:|---:|")
+            print(f"| none (not parsed) | {none:.3f} | 1.000x |")
+            print(f"| auto (parsed: hermes + qwen3) | {auto:.3f} | {auto / none:.3f}x |")
         finally:
             server.stop()
 
