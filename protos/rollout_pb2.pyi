@@ -246,7 +246,7 @@ class GenerateBatchResponse(_message.Message):
     def __init__(self, completions: _Optional[_Iterable[_Union[BatchCompletion, _Mapping]]] = ...) -> None: ...
 
 class RenderChatRequest(_message.Message):
-    __slots__ = ("messages_json", "tools_json", "chat_template", "chat_template_kwargs_json", "add_generation_prompt", "continue_final_message", "documents_json")
+    __slots__ = ("messages_json", "tools_json", "chat_template", "chat_template_kwargs_json", "add_generation_prompt", "continue_final_message", "documents_json", "tokens")
     MESSAGES_JSON_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +254,7 @@ class RenderChatRequest(_message.Message):
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     messages_json: str
     tools_json: str
     chat_template: str
@@ -261,7 +262,8 @@ class RenderChatRequest(_message.Message):
     add_generation_prompt: bool
     continue_final_message: bool
     documents_json: str
-    def __init__(self, messages_json: _Optional[str] = ..., tools_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., documents_json: _Optional[str] = ...) -> None: ...
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, messages_json: _Optional[str] = ..., tools_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., documents_json: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RenderChatResponse(_message.Message):
     __slots__ = ("prompt_token_ids", "prompt_text")

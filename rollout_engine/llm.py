@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from rollout_engine.config import EngineConfig
-from rollout_engine.engine.chat_template import ChatPrompt, render_chat
+from rollout_engine.engine.chat_template import ChatPrompt, extend_tokens, render_chat
 from rollout_engine.engine.llm_engine import LLMEngine
 from rollout_engine.engine.scoring import check_score_request, score_output, score_params
 from rollout_engine.parsing import ChatParsing
@@ -95,6 +95,7 @@ class LLM:
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool = True,
         enable_in_reasoning: bool = False,
+        tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's offline chat: one conversation or a list of them, rendered with the chat
         template (as `serve` renders them, tools included), then generated. With `tool_parser`
@@ -103,7 +104,9 @@ class LLM:
         logprobs a trainer needs. `tool_choice` as `serve` takes it ("auto" by default with
         tools and a parser; "required" or a named function generate calls in the parser's
         format); with `reasoning_parser`, a constraint applies once the reasoning has ended
-        (vLLM's default), or from the first token with `enable_in_reasoning`."""
+        (vLLM's default), or from the first token with `enable_in_reasoning`. `tokens` (one
+        list per conversation, or one list for one): token in, as `/v1/chat/completions/tokens`
+        takes it: the prompt extends the previous turn's prompt and completion ids."""
         conversations = ([messages] if messages and isinstance(messages[0], dict)
                          else list(messages))
         parsing = ChatParsing(reasoning_parser, tool_parser)
@@ -112,6 +115,13 @@ class LLM:
             list(conversation), tools if plan.render_tools else None, documents, chat_template,
             chat_template_kwargs, add_generation_prompt, continue_final_message))
             for conversation in conversations]
+        if tokens is not None:
+            per_conversation = [tokens] if tokens and isinstance(tokens[0], int) else tokens
+            if len(per_conversation) != len(prompts):
+                raise InvalidRequestError(f"got {len(per_conversation)} token lists for "
+                                          f"{len(prompts)} conversations")
+            prompts = [extend_tokens(self.engine.processor, prompt, list(ids))
+                       for prompt, ids in zip(prompts, per_conversation)]
         params = [chat_sampling_params(p, plan, parsing, prompt.text, enable_in_reasoning)
                   for p, prompt in zip(_per_prompt_params(sampling_params, len(prompts)),
                                        prompts)]

@@ -16,7 +16,7 @@ from rollout_engine.parsing.chat_params import (
     chat_sampling_params,
     offline_tool_choice,
 )
-from rollout_engine.protocol import RequestOutput, SamplingParams
+from rollout_engine.protocol import InvalidRequestError, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from trainer_bridge.client import EngineClient
@@ -28,13 +28,14 @@ def render_chat_request(messages: Messages, tools: list[dict] | None = None,
                         chat_template: str | None = None,
                         chat_template_kwargs: dict[str, Any] | None = None,
                         add_generation_prompt: bool = True, continue_final_message: bool = False,
-                        documents: list[dict[str, str]] | None = None) -> pb.RenderChatRequest:
+                        documents: list[dict[str, str]] | None = None,
+                        tokens: Sequence[int] | None = None) -> pb.RenderChatRequest:
     request = pb.RenderChatRequest(
         messages_json=json.dumps(list(messages)), tools_json=json.dumps(tools) if tools else "",
         chat_template_kwargs_json=json.dumps(chat_template_kwargs) if chat_template_kwargs
         else "", add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
-        documents_json=json.dumps(documents) if documents else "")
+        documents_json=json.dumps(documents) if documents else "", tokens=list(tokens or []))
     if chat_template is not None:
         request.chat_template = chat_template
     return request
@@ -47,15 +48,21 @@ def chat(client: EngineClient, messages: Messages | Sequence[Messages],
          continue_final_message: bool = False, documents: list[dict[str, str]] | None = None,
          tool_parser: str | None = None, reasoning_parser: str | None = None,
          tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool = True,
-         enable_in_reasoning: bool = False, timeout: float | None = None
+         enable_in_reasoning: bool = False, timeout: float | None = None,
+         tokens: Sequence[int] | Sequence[Sequence[int]] | None = None
          ) -> list[RequestOutput]:
     conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
     parsing = ChatParsing(reasoning_parser, tool_parser)
     plan = offline_tool_choice(tools, tool_choice, tool_parser, parallel_tool_calls)
+    per_conversation = ([tokens] if tokens and isinstance(tokens[0], int)
+                        else list(tokens or [None] * len(conversations)))
+    if len(per_conversation) != len(conversations):
+        raise InvalidRequestError(f"got {len(per_conversation)} token lists for "
+                                  f"{len(conversations)} conversations")
     rendered = [client.render_chat(conversation, tools if plan.render_tools else None,
                                    chat_template, chat_template_kwargs, add_generation_prompt,
-                                   continue_final_message, documents)
-                for conversation in conversations]
+                                   continue_final_message, documents, ids)
+                for conversation, ids in zip(conversations, per_conversation)]
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
         sampling_params = [sampling_params or SamplingParams()] * len(rendered)
     params = [chat_sampling_params(p, plan, parsing, text, enable_in_reasoning)

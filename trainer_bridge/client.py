@@ -257,12 +257,14 @@ class EngineClient:
                     chat_template: str | None = None,
                     chat_template_kwargs: dict[str, Any] | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    documents: list[dict[str, str]] | None = None) -> tuple[list[int], str]:
+                    documents: list[dict[str, str]] | None = None,
+                    tokens: Sequence[int] | None = None) -> tuple[list[int], str]:
         """The prompt token ids and text of a conversation, rendered by the server's chat
-        template as `/v1/chat/completions` renders it (RenderChat)."""
+        template as `/v1/chat/completions` renders it (RenderChat); with `tokens`, extending
+        them as `/v1/chat/completions/tokens` does."""
         request = chat_client.render_chat_request(
             messages, tools, chat_template, chat_template_kwargs, add_generation_prompt,
-            continue_final_message, documents)
+            continue_final_message, documents, tokens)
         reply = self._retrying(self._stub.RenderChat, request)
         return list(reply.prompt_token_ids), reply.prompt_text
 

@@ -9,7 +9,11 @@ from typing import Any
 
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
-from rollout_engine.engine.chat_template import UNTRUSTED_TEMPLATE_MESSAGE, render_chat
+from rollout_engine.engine.chat_template import (
+    UNTRUSTED_TEMPLATE_MESSAGE,
+    extend_tokens,
+    render_chat,
+)
 from rollout_engine.engine.input_processor import InputProcessor
 from rollout_engine.engine.scoring import score_output, score_params
 from rollout_engine.protocol import (
@@ -96,6 +100,9 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
             self._processor = await asyncio.to_thread(
                 InputProcessor, model.model, model.hf_config, model.max_model_len)
         rendered = await asyncio.to_thread(render_chat, self._processor, prompt)
+        if request.tokens:
+            rendered = await asyncio.to_thread(extend_tokens, self._processor, rendered,
+                                               list(request.tokens))
         return pb.RenderChatResponse(prompt_token_ids=rendered.token_ids,
                                      prompt_text=rendered.text)
 

@@ -76,3 +76,16 @@ def test_bad_render_requests_are_invalid_argument(agent_server):
                 stub.RenderChat(request)
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert message in error.value.details(), error.value.details()
+
+
+def test_token_in_over_grpc(agent_client):
+    params = SamplingParams(temperature=1.0, seed=9, max_tokens=10,
+                            allowed_token_ids=list(range(2, 512)))
+    (first,) = agent_client.chat(MESSAGES, params)
+    history = first.prompt_token_ids + first.outputs[0].token_ids
+    turn = [*MESSAGES, {"role": "assistant", "content": first.outputs[0].text},
+            {"role": "user", "content": "again"}]
+    (second,) = agent_client.chat(turn, params, tokens=history)
+    assert second.prompt_token_ids[:len(history)] == history
+    token_ids, _ = agent_client.render_chat(turn, tokens=history)
+    assert token_ids == second.prompt_token_ids

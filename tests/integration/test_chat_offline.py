@@ -99,3 +99,23 @@ def test_required_calls_of_a_random_model_parse_and_validate_in_each_format(llm,
         jsonschema.validate(json.loads(call.arguments), schemas[call.name])
         names.add(call.name)
     assert names == {"get_weather", "search"}
+
+
+def test_chat_token_in_extends_the_previous_turn(llm):
+    """`LLM.chat(tokens=...)`: the next turn's prompt is the previous prompt and completion ids
+    as sampled, then the new messages' tokens; a conversation that does not extend them is
+    refused."""
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=10,
+                            allowed_token_ids=list(range(2, 512)))
+    template = TEMPLATE.replace("<think>\n", "")  # TEMPLATE opens a block history never shows
+    turn = [{"role": "user", "content": "first"}]
+    (first,) = llm.chat(turn, params, chat_template=template)
+    sampled = first.outputs[0]
+    history = first.prompt_token_ids + sampled.token_ids
+    turn = [*turn, {"role": "assistant", "content": sampled.text},
+            {"role": "user", "content": "second"}]
+    (second,) = llm.chat(turn, params, chat_template=template, tokens=history)
+    assert second.prompt_token_ids[:len(history)] == history
+    assert len(second.prompt_token_ids) > len(history)
+    with pytest.raises(ValueError, match="does not extend"):
+        llm.chat(turn, params, chat_template=template, tokens=[5, 6, 7])
