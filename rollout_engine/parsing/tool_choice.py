@@ -143,6 +143,9 @@ def plan_tool_choice(tools: Sequence[dict] | None, tool_choice: Any, parallel_to
                               parse_calls=False)
     functions = [tool["function"] for tool in tools
                  if isinstance(tool, dict) and isinstance(tool.get("function"), dict)]
+    for i, function in enumerate(functions):
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise InvalidRequestError(f"tools[{i}].function needs a string `name`")
     if tool_choice == "auto":
         if not (enable_auto_tool_choice and tool_parser):
             raise InvalidRequestError('"auto" tool choice requires --enable-auto-tool-choice '

@@ -237,3 +237,13 @@ def test_harmony_is_read_whole_and_keeps_its_special_tokens():
         ChatParsing(reasoning_parser="qwen3", tool_call_parser="openai")
     got = parse(ANALYSIS + WEATHER_CALL, None, "openai_gptoss")  # reasoning only: no calls
     assert got.tool_calls == () and got.reasoning == "Need the weather."
+
+
+def test_a_tool_choice_over_a_nameless_tool_is_a_clear_error():
+    from rollout_engine.parsing import plan_tool_choice
+    from rollout_engine.protocol import InvalidRequestError
+
+    nameless = [{"type": "function", "function": {"parameters": {"type": "object"}}}]
+    for choice in ("auto", "required"):
+        with pytest.raises(InvalidRequestError, match="needs a string `name`"):
+            plan_tool_choice(nameless, choice, True, "hermes", True)
