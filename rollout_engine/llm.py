@@ -16,6 +16,7 @@ from rollout_engine.parsing import ChatParsing
 from rollout_engine.parsing.chat_params import (
     attach_messages,
     chat_sampling_params,
+    conversations_with_tokens,
     offline_tool_choice,
 )
 from rollout_engine.protocol import (
@@ -107,21 +108,15 @@ class LLM:
         (vLLM's default), or from the first token with `enable_in_reasoning`. `tokens` (one
         list per conversation, or one list for one): token in, as `/v1/chat/completions/tokens`
         takes it: the prompt extends the previous turn's prompt and completion ids."""
-        conversations = ([messages] if messages and isinstance(messages[0], dict)
-                         else list(messages))
         parsing = ChatParsing(reasoning_parser, tool_parser)
         plan = offline_tool_choice(tools, tool_choice, tool_parser, parallel_tool_calls)
-        prompts = [render_chat(self.engine.processor, ChatPrompt(
-            list(conversation), tools if plan.render_tools else None, documents, chat_template,
-            chat_template_kwargs, add_generation_prompt, continue_final_message))
-            for conversation in conversations]
-        if tokens is not None:
-            per_conversation = [tokens] if tokens and isinstance(tokens[0], int) else tokens
-            if len(per_conversation) != len(prompts):
-                raise InvalidRequestError(f"got {len(per_conversation)} token lists for "
-                                          f"{len(prompts)} conversations")
-            prompts = [extend_tokens(self.engine.processor, prompt, list(ids))
-                       for prompt, ids in zip(prompts, per_conversation)]
+        prompts = []
+        for conversation, ids in conversations_with_tokens(messages, tokens):
+            prompt = render_chat(self.engine.processor, ChatPrompt(
+                conversation, tools if plan.render_tools else None, documents, chat_template,
+                chat_template_kwargs, add_generation_prompt, continue_final_message))
+            prompts.append(prompt if ids is None
+                           else extend_tokens(self.engine.processor, prompt, ids))
         params = [chat_sampling_params(p, plan, parsing, prompt.text, enable_in_reasoning)
                   for p, prompt in zip(_per_prompt_params(sampling_params, len(prompts)),
                                        prompts)]

@@ -14,9 +14,10 @@ from rollout_engine.parsing import ChatParsing
 from rollout_engine.parsing.chat_params import (
     attach_messages,
     chat_sampling_params,
+    conversations_with_tokens,
     offline_tool_choice,
 )
-from rollout_engine.protocol import InvalidRequestError, RequestOutput, SamplingParams
+from rollout_engine.protocol import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from trainer_bridge.client import EngineClient
@@ -51,18 +52,12 @@ def chat(client: EngineClient, messages: Messages | Sequence[Messages],
          enable_in_reasoning: bool = False, timeout: float | None = None,
          tokens: Sequence[int] | Sequence[Sequence[int]] | None = None
          ) -> list[RequestOutput]:
-    conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
     parsing = ChatParsing(reasoning_parser, tool_parser)
     plan = offline_tool_choice(tools, tool_choice, tool_parser, parallel_tool_calls)
-    per_conversation = ([tokens] if tokens and isinstance(tokens[0], int)
-                        else list(tokens or [None] * len(conversations)))
-    if len(per_conversation) != len(conversations):
-        raise InvalidRequestError(f"got {len(per_conversation)} token lists for "
-                                  f"{len(conversations)} conversations")
     rendered = [client.render_chat(conversation, tools if plan.render_tools else None,
                                    chat_template, chat_template_kwargs, add_generation_prompt,
                                    continue_final_message, documents, ids)
-                for conversation, ids in zip(conversations, per_conversation)]
+                for conversation, ids in conversations_with_tokens(messages, tokens)]
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
         sampling_params = [sampling_params or SamplingParams()] * len(rendered)
     params = [chat_sampling_params(p, plan, parsing, text, enable_in_reasoning)

@@ -47,6 +47,22 @@ def offline_tool_choice(tools: list[dict] | None, tool_choice, tool_parser: str 
                             enable_auto_tool_choice=tool_parser is not None)
 
 
+def conversations_with_tokens(messages, tokens=None
+                              ) -> list[tuple[list[dict], list[int] | None]]:
+    """`LLM.chat` and `EngineClient.chat` take one conversation or a list of them, and for
+    token in one id list or one per conversation: the pairs, each conversation with its ids."""
+    conversations = ([list(messages)] if messages and isinstance(messages[0], dict)
+                     else [list(conversation) for conversation in messages])
+    if tokens is None:
+        return [(conversation, None) for conversation in conversations]
+    per_conversation = [tokens] if tokens and isinstance(tokens[0], int) else tokens
+    if len(per_conversation) != len(conversations):
+        raise InvalidRequestError(f"got {len(per_conversation)} token lists for "
+                                  f"{len(conversations)} conversations")
+    return [(conversation, list(ids)) for conversation, ids in zip(conversations,
+                                                                    per_conversation)]
+
+
 def attach_messages(outputs: list[RequestOutput], prompt_texts: list[str],
                     parsing: ChatParsing, plan: ToolChoicePlan, tools: list[dict] | None
                     ) -> None:

@@ -62,14 +62,18 @@ def call_schema(functions: Sequence[dict], arguments_key: str) -> dict:
                                      "key_separator": ": "}}
 
 
-def _lark_calls(call: str, separator: str, parallel: bool) -> str:
+def _lark_calls(body: str, separator: str, parallel: bool, opening: str = "") -> str:
+    """`start` (one call, or several with `parallel`), `call` (the `opening` marker, then
+    `call_body`) and `call_body`; "auto" with strict tools reuses `call_body` after the text
+    that ends with the opening marker."""
     repeat = f' ("{separator}" call)*' if parallel else ""
-    return f"start: call{repeat}\ncall: {call}\n"
+    call = f"{_lark_string(opening)} call_body" if opening else "call_body"
+    return f"start: call{repeat}\ncall: {call}\ncall_body: {body}\n"
 
 
 def hermes_grammar(functions: Sequence[dict], parallel: bool) -> str:
     schema = json.dumps(call_schema(functions, "arguments"))
-    return (_lark_calls('"<tool_call>\\n" arguments "\\n</tool_call>"', "\\n", parallel)
+    return (_lark_calls('"\\n" arguments "\\n</tool_call>"', "\\n", parallel, "<tool_call>")
             + f"arguments: %json {schema}\n")
 
 
@@ -114,11 +118,12 @@ def qwen3_xml_grammar(functions: Sequence[dict], parallel: bool) -> str:
             rules.append(f"p_{i}_{j}: {opening} ({value}) {closing}{_NL}")
             lexemes.append(lexeme)
             parts.append(f"p_{i}_{j}" + ("" if key in required else "?"))
-        head = _lark_string(f"<tool_call>{_NL}<function={function['name']}>{_NL}")
+        head = _lark_string(f"{_NL}<function={function['name']}>{_NL}")
         tail = _lark_string(f"</function>{_NL}</tool_call>")
         calls.append(" ".join([head, *parts, tail]))
     call = " | ".join(f"({c})" for c in calls)
-    return _lark_calls(call, "\\n", parallel) + "".join(rules) + "".join(lexemes)
+    return (_lark_calls(call, "\\n", parallel, "<tool_call>") + "".join(rules)
+            + "".join(lexemes))
 
 
 CALL_GRAMMARS: dict[str, Callable[[Sequence[dict], bool], str]] = {
@@ -141,11 +146,13 @@ def plan_tool_choice(tools: Sequence[dict] | None, tool_choice: Any, parallel_to
     if tool_choice == "none":
         return ToolChoicePlan(render_tools=not exclude_tools_when_tool_choice_none,
                               parse_calls=False)
-    functions = [tool["function"] for tool in tools
-                 if isinstance(tool, dict) and isinstance(tool.get("function"), dict)]
-    for i, function in enumerate(functions):
-        if not isinstance(function.get("name"), str) or not function["name"]:
-            raise InvalidRequestError(f"tools[{i}].function needs a string `name`")
+    functions = []  # the rest of a malformed tool is the template renderer's to refuse
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict):
+            if not isinstance(function.get("name"), str) or not function["name"]:
+                raise InvalidRequestError(f"tools[{i}].function needs a string `name`")
+            functions.append(function)
     if tool_choice == "auto":
         if not (enable_auto_tool_choice and tool_parser):
             raise InvalidRequestError('"auto" tool choice requires --enable-auto-tool-choice '
@@ -184,16 +191,14 @@ def _strict_auto(functions: Sequence[dict], tool_parser: str, parallel: bool) ->
         return None
     loose = [f if f.get("strict") is True else {**f, "parameters": {"type": "object"}}
              for f in functions]
-    lines = CALL_GRAMMARS[tool_parser](loose, parallel).splitlines(keepends=True)
-    call = next(line for line in lines if line.startswith("call:"))
+    calls = CALL_GRAMMARS[tool_parser](loose, parallel).splitlines(keepends=True)
     # The text before the first call is one lexeme that ends with its "<tool_call>" (so the
-    # lexer never has to take text back), and the first call goes on from there.
-    first_call = "first_call:" + call[len("call:"):].replace('"<tool_call>', '"')
+    # lexer never has to take text back), and the first call's body goes on from there.
     repeat = ' ("\\n" call)*' if parallel else ""
-    return (f"start: FREE_TEXT | TEXT_TO_CALL first_call{repeat}\n"
+    return (f"start: FREE_TEXT | TEXT_TO_CALL call_body{repeat}\n"
             "FREE_TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/\n"
             "TEXT_TO_CALL: /(?s:.*<tool_call>)/ & ~/(?s:.*<tool_call>.+)/\n"
-            + first_call + "".join(line for line in lines if not line.startswith("start:")))
+            + "".join(line for line in calls if not line.startswith("start:")))
 
 
 def _constraint(functions: Sequence[dict], tool_parser: str | None, parallel: bool) -> str:

@@ -206,7 +206,6 @@ class TailToolParser(ToolParser):
                 self._held = rest
                 return MessageDelta(before)
             self._state, buffer = "calls", rest
-            self._calls_text.append("")
             return MessageDelta(before).merge(self.feed(buffer)) if buffer else MessageDelta(before)
         if self._state == "calls":
             self._calls_text.append(buffer)
