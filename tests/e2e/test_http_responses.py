@@ -9,9 +9,12 @@ import json
 
 import openai
 import pytest
+import requests
 
 from tests.e2e.http_helpers import AGENT_MODEL_NAME
+from tests.e2e.server_process import wait_for
 from tests.e2e.test_agent_clients import run_weather_agent
+from trainer_bridge import EngineClient
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city.",
            "parameters": {"type": "object", "properties": {
@@ -87,3 +90,22 @@ def test_an_openai_agents_agent_on_its_default_responses_model(agent_server):
     # once (a truncated response stops the agent, as OpenAI's does).
     run_weather_agent(agent_server, "OpenAIResponsesModel",
                       extra_body={"logit_bias": {"0": 100}})
+
+
+def test_a_client_that_hangs_up_mid_stream_frees_its_request(agent_server):
+    """Streamed responses and parsed chat streams: the engine drops the request at once."""
+    bodies = {
+        "/v1/responses": {"model": AGENT_MODEL_NAME, "input": "hi", "stream": True,
+                          "max_output_tokens": 400, "ignore_eos": True},
+        "/v1/chat/completions": {"model": AGENT_MODEL_NAME, "stream": True, "max_tokens": 400,
+                                 "ignore_eos": True, "tools": [{"type": "function",
+                                                               "function": WEATHER}],
+                                 "messages": [{"role": "user", "content": "hi"}]},
+    }
+    with EngineClient(agent_server.address, timeout=60) as client:
+        for path, body in bodies.items():
+            with requests.post(agent_server.http_url + path, json=body, stream=True,
+                               timeout=60) as response:
+                assert response.status_code == 200
+                assert next(line for line in response.iter_lines() if line)
+            assert wait_for(lambda: client.info().num_unfinished_requests == 0), path
