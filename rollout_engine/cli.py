@@ -294,6 +294,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--block-size", type=int, help="tokens per KV block")
     engine.add_argument("--no-prefix-caching", action="store_true",
                         help="turn off prefix caching")
+    engine.add_argument("--max-kv-keep-alive-s", type=float,
+                        help="the longest a finished turn's KV is held for its conversation's "
+                        "next turn when the request asks (kv_keep_alive_s); 0: never "
+                        "(default: 60)")
     engine.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
     engine.add_argument("--max-num-seqs", type=int, help="most running requests at once")
     engine.add_argument("--max-model-len", type=int,
@@ -333,7 +337,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 _SERVE_ENGINE_OPTIONS = (
     "dtype", "device", "seed", "cpu_threads", "cpu_packed_weights", "model_impl", "cuda_graphs",
-    "kv_cache_bytes", "num_blocks", "block_size",
+    "kv_cache_bytes", "num_blocks", "block_size", "max_kv_keep_alive_s",
     "gpu_memory_utilization",
     "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_speculative_tokens",
     "async_scheduling", "kv_role", "kv_peer", "kv_transport", "kv_transfer_timeout_s",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -113,6 +114,10 @@ class CacheConfig:
     kv_cache_bytes: int | None = None
     """Bytes of the KV pool when num_blocks is None; None: 256 MiB on CPU, and on CUDA what
     gpu_memory_utilization leaves after the weights and activations."""
+    max_kv_keep_alive_s: float = 60.0
+    """The longest a finished request's cached KV blocks are held for its conversation's next
+    turn when it asks (`SamplingParams.kv_keep_alive_s`); 0 holds none. Holds yield to any
+    request that needs the blocks (see rollout_engine/core/kv_holds.py)."""
     gpu_memory_utilization: float = 0.5
     """CUDA: the fraction of the device's memory this engine may use in all (vLLM's name);
     the rest is the trainer's. Used when kv_cache_bytes and num_blocks are None."""
@@ -121,6 +126,8 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size must be >= 1")
+        _require(math.isfinite(self.max_kv_keep_alive_s) and self.max_kv_keep_alive_s >= 0,
+                 f"max_kv_keep_alive_s must be a finite number >= 0, got {self.max_kv_keep_alive_s}")
         _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks must be >= 1")
         _require(self.kv_cache_bytes is None or self.kv_cache_bytes >= 1,
                  "kv_cache_bytes must be >= 1 (or None to size it from the device)")

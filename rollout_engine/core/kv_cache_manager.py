@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rollout_engine.core.block_pool import ROOT_HASH, BlockPool, KVBlock, hash_block
+from rollout_engine.core.kv_holds import KVHolds
 from rollout_engine.core.request import Request
 
 
@@ -45,10 +46,13 @@ class KVCacheManager:
         # How many of each request's leading blocks were handed to the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
         self._pending: dict[int, _PendingBlock] = {}
+        self.holds = KVHolds(self.block_pool)
+        """Finished requests' cached blocks kept for their conversation's next turn."""
 
     @property
     def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
+        """Blocks a request can have: free ones, and those only a hold keeps."""
+        return self.block_pool.num_free_blocks + self.holds.num_reclaimable()
 
     @property
     def num_blocks(self) -> int:
@@ -107,12 +111,12 @@ class KVCacheManager:
         num_total = num_computed + num_new_tokens
         num_needed = cdiv(num_total, self.block_size) - len(blocks) - len(new_computed_blocks)
         # Cache hits sitting in the free queue stop being free once touched.
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_count == 0)
-        if num_needed > self.block_pool.num_free_blocks - num_revived:
+        if not self._make_room(num_needed, new_computed_blocks):
             if not blocks:
                 del self._blocks[request.request_id], self._block_ids[request.request_id]
             return False
         self.block_pool.touch(new_computed_blocks)
+        self.holds.release_hit(new_computed_blocks)
         new_blocks = list(new_computed_blocks)
         if num_needed > 0:
             new_blocks += self.block_pool.allocate(num_needed)
@@ -146,19 +150,40 @@ class KVCacheManager:
         """Leading positions of the request handed to the prefix cache."""
         return self._num_cached_blocks.get(request_id, 0) * self.block_size
 
-    def free(self, request: Request) -> None:
-        """Release a request's blocks (tail first, so shared prefixes are evicted last)."""
+    def free(self, request: Request, hold_until_s: float | None = None) -> None:
+        """Release a request's blocks (tail first, so shared prefixes are evicted last).
+        With `hold_until_s`, its cached blocks are held until then for the conversation's
+        next turn (see KVHolds) and only the rest is freed."""
         blocks = self._blocks.pop(request.request_id, [])
         self._block_ids.pop(request.request_id, None)
         self._block_hashes.pop(request.request_id, None)
-        self._num_cached_blocks.pop(request.request_id, None)
+        num_cached = self._num_cached_blocks.pop(request.request_id, 0)
+        if hold_until_s is not None and num_cached:
+            self.holds.hold(request.request_id, blocks[:num_cached], hold_until_s)
+            blocks = blocks[num_cached:]
         self.block_pool.free(list(reversed(blocks)))
 
     def reset_prefix_cache(self) -> None:
         self._pending.clear()
+        self.holds.release_all()  # held blocks are worth nothing without their hashes
         self.block_pool.reset_prefix_cache()
 
     # ------------------------------------------------------------------ internals
+    def _make_room(self, num_needed: int, hit_blocks: Sequence[KVBlock]) -> bool:
+        """True if `num_needed` blocks can be allocated after `hit_blocks` are touched,
+        releasing holds, oldest first, if that is what it takes (and only then)."""
+        def room() -> int:
+            # Cache hits sitting in the free queue stop being free once touched.
+            return self.block_pool.num_free_blocks - sum(1 for b in hit_blocks if b.ref_count == 0)
+
+        if num_needed <= room():
+            return True
+        if num_needed > room() + self.holds.num_reclaimable(excluding=hit_blocks):
+            return False
+        while num_needed > room():
+            self.holds.release_oldest()
+        return True
+
     def _extend_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
         """The request's chained block hashes, computed up to `num_full_blocks`."""
         hashes = self._block_hashes.setdefault(request.request_id, [])

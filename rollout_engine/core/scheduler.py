@@ -7,8 +7,9 @@ budget and the KV pool allow.
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from rollout_engine.config import CacheConfig, RuntimeLimits, SchedulerConfig, SpeculativeConfig
@@ -43,6 +44,7 @@ class Scheduler:
         cache_config: CacheConfig,
         speculative_config: SpeculativeConfig | None = None,
         limits: RuntimeLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         num_blocks = limits.num_blocks if limits else cache_config.num_blocks
         max_model_len = limits.max_model_len if limits else scheduler_config.max_model_len
@@ -73,6 +75,10 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size, cache_config.enable_prefix_caching
         )
+        self.max_kv_keep_alive_s = (
+            cache_config.max_kv_keep_alive_s if cache_config.enable_prefix_caching else 0.0
+        )
+        self._clock = clock
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -186,6 +192,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Hand out this step's token budget: running requests first, then waiting ones."""
         self.kv_cache_manager.begin_step()
+        if self.kv_cache_manager.holds:
+            self.kv_cache_manager.holds.release_expired(self._clock())
         output = SchedulerOutput(finished_request_ids=self._finished_request_ids,
                                  preempted_request_ids=self._preempted_between_steps)
         self._finished_request_ids, self._preempted_between_steps = [], []
@@ -431,8 +439,15 @@ class Scheduler:
 
     def _release_blocks(self, request: Request) -> None:
         """A finished request no step in flight writes: free its blocks, unless it is a
-        prefill whose KV a decode engine waits for (freed once saved)."""
-        if not self.kv_connector.hold_for_save(request):
+        prefill whose KV a decode engine waits for (freed once saved). A request that asked
+        for it (`SamplingParams.kv_keep_alive_s`) and was not aborted keeps its cached blocks
+        warm for the conversation's next turn (see KVHolds)."""
+        if self.kv_connector.hold_for_save(request):
+            return
+        keep_s = min(request.sampling_params.kv_keep_alive_s, self.max_kv_keep_alive_s)
+        if keep_s > 0 and request.finish_reason != "abort":
+            self.kv_cache_manager.free(request, hold_until_s=self._clock() + keep_s)
+        else:
             self.kv_cache_manager.free(request)
 
     def _check_fits(self, request: Request) -> None:

@@ -214,6 +214,11 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     """With `skip_special_tokens=False`: False joins special tokens in `text` as they are,
     without a space between them (vLLM's)."""
+    kv_keep_alive_s: float = 0.0
+    """Multi-turn: once the completion ends (not aborted), keep its cached KV blocks for up
+    to this many seconds (capped by the engine's `max_kv_keep_alive_s`) so the conversation's
+    next turn, which extends these tokens, finds them even if the cache is busy. The hold ends
+    early when that turn arrives, and yields to any request that needs the blocks. 0: none."""
 
     def __post_init__(self) -> None:
         self._check_stop()
@@ -234,6 +239,11 @@ class SamplingParams:
             self.structured_outputs is None
             or isinstance(self.structured_outputs, StructuredOutputsParams),
             "structured_outputs must be a StructuredOutputsParams or None",
+        )
+        _check(
+            _is_finite_real(self.kv_keep_alive_s) and self.kv_keep_alive_s >= 0,
+            f"kv_keep_alive_s must be a finite number of seconds >= 0, "
+            f"got {self.kv_keep_alive_s!r}",
         )
         kv = self.kv_transfer_params
         _check(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -37,6 +38,7 @@ def make_scheduler(
     *,
     num_speculative_tokens: int = 0,
     eos_token_ids: Sequence[int] | None = None,
+    clock: Callable[[], float] = time.monotonic,
     **overrides: object,
 ) -> Scheduler:
     """A scheduler with small test defaults; any SchedulerConfig/CacheConfig field overrides.
@@ -63,7 +65,7 @@ def make_scheduler(
             vocab_size=GENERATED_TOKEN_BASE * 2,
             eos_token_ids=tuple(eos_token_ids),
         )
-    return Scheduler(scheduler_config, cache_config, speculative_config, limits)
+    return Scheduler(scheduler_config, cache_config, speculative_config, limits, clock=clock)
 
 
 def fresh_token_ids(num_tokens: int) -> list[int]:
@@ -437,6 +439,7 @@ def check_ledger_invariants(scheduler: Scheduler, num_in_flight: int = 0) -> Non
     for request in scheduler._finished_in_flight.values():
         assert num_in_flight and request.is_finished and request.num_steps_in_flight, request
         ref_counts.update(kv.get_block_ids(request.request_id))
+    ref_counts.update(kv.holds.block_refs())  # finished turns kept for their next turn
     for block in pool.blocks:
         assert block.ref_count == ref_counts[block.block_id], (
             f"block {block.block_id}: ref_count {block.ref_count}, "

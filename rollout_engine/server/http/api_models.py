@@ -157,6 +157,8 @@ class SamplingFields(VllmRequest):
     repetition_detection: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
     stream_interval: Annotated[int, Field(ge=1)] | None = None
+    # this server's: multi-turn rollouts keep a finished turn's KV for the next one
+    kv_keep_alive_s: Annotated[float, Field(ge=0)] = 0.0
 
 
 class CompletionRequest(SamplingFields):

@@ -89,6 +89,7 @@ def _params(request: SamplingFields, prompt_len: int, max_model_len: int, *,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         structured_outputs=structured_outputs(request),
+        kv_keep_alive_s=request.kv_keep_alive_s,
     )
 
 
