@@ -206,18 +206,20 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream_deltas: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "deltas", "outputs", "prompt_logprobs")
+    __slots__ = ("request_id", "prompt_token_ids", "deltas", "outputs", "prompt_logprobs", "num_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     deltas: _containers.RepeatedCompositeFieldContainer[CompletionDelta]
     outputs: _containers.RepeatedCompositeFieldContainer[CompletionOutput]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., deltas: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[CompletionOutput, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., deltas: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[CompletionOutput, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateBatchRequest(_message.Message):
     __slots__ = ("prompts", "sampling_params", "per_prompt_sampling_params")
@@ -230,16 +232,18 @@ class GenerateBatchRequest(_message.Message):
     def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., per_prompt_sampling_params: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ...) -> None: ...
 
 class BatchCompletion(_message.Message):
-    __slots__ = ("prompt_index", "prompt_token_ids", "output", "prompt_logprobs")
+    __slots__ = ("prompt_index", "prompt_token_ids", "output", "prompt_logprobs", "num_cached_tokens")
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_index: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output: CompletionOutput
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
-    def __init__(self, prompt_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[CompletionOutput, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, prompt_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[CompletionOutput, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateBatchResponse(_message.Message):
     __slots__ = ("completions",)

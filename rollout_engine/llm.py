@@ -112,11 +112,12 @@ class LLM:
         plan = offline_tool_choice(tools, tool_choice, tool_parser, parallel_tool_calls)
         prompts = []
         for conversation, ids in conversations_with_tokens(messages, tokens):
-            prompt = render_chat(self.engine.processor, ChatPrompt(
+            chat_prompt = ChatPrompt(
                 conversation, tools if plan.render_tools else None, documents, chat_template,
-                chat_template_kwargs, add_generation_prompt, continue_final_message))
+                chat_template_kwargs, add_generation_prompt, continue_final_message)
+            prompt = render_chat(self.engine.processor, chat_prompt)
             prompts.append(prompt if ids is None
-                           else extend_tokens(self.engine.processor, prompt, ids))
+                           else extend_tokens(self.engine.processor, chat_prompt, prompt, ids))
         params = [chat_sampling_params(p, plan, parsing, prompt.text, enable_in_reasoning)
                   for p, prompt in zip(_per_prompt_params(sampling_params, len(prompts)),
                                        prompts)]

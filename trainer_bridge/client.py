@@ -159,6 +159,8 @@ class EngineClient:
             output.prompt_token_ids.extend(item.prompt_token_ids)
             if item.prompt_logprobs:
                 output.prompt_logprobs = prompt_logprobs_from_proto(item.prompt_logprobs)
+            if item.HasField("num_cached_tokens"):
+                output.num_cached_tokens = item.num_cached_tokens
             output.outputs.append(completion_from_proto(item.output))
         if len(collected) != len(prompts):
             raise EngineError("the server ended the stream before every prompt finished")

@@ -98,6 +98,8 @@ def apply_generate_response(snapshot: RequestOutput, message: pb.GenerateRespons
     snapshot.prompt_token_ids.extend(message.prompt_token_ids)
     if message.prompt_logprobs:
         snapshot.prompt_logprobs = prompt_logprobs_from_proto(message.prompt_logprobs)
+    if message.HasField("num_cached_tokens"):
+        snapshot.num_cached_tokens = message.num_cached_tokens
     by_index = {o.index: o for o in snapshot.outputs}
     for delta in message.deltas:
         output = by_index.get(delta.index)

@@ -8,7 +8,10 @@
   go to the engine that saw that prefix before, in this call or an earlier one, so its
   prefix cache is reused, unless that engine is a fair share (the call's samples / engines)
   ahead of the least-loaded one;
-- anything else goes to the least-loaded live engine (load = samples assigned).
+- anything else goes to the least-loaded live engine (load = samples assigned);
+- with `session_ids` (one per prompt, None for none), every prompt of a session goes to the
+  engine that served the session before, whatever its load, unless that engine is gone: a
+  multi-turn conversation's next turn finds its earlier turns' KV there.
 
 `score(sequences, prompt_lens)` places sequences the same way, those sharing a prompt together.
 
@@ -54,7 +57,7 @@ from trainer_bridge.client_messages import Prompt, per_prompt
 from trainer_bridge.pool_membership import PoolMember, PoolMembership
 from trainer_bridge.transports import for_several_readers
 
-_MAX_REMEMBERED_PREFIXES = 100_000
+_MAX_REMEMBERED_OWNERS = 100_000
 
 
 @dataclass
@@ -90,6 +93,7 @@ class EnginePool:
         )
         self.prefix_tokens = prefix_tokens
         self._prefix_owner: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
+        self._session_owner: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._threads = concurrent.futures.ThreadPoolExecutor(
             len(self.members), thread_name_prefix="engine-pool"
         )
@@ -129,19 +133,28 @@ class EnginePool:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         timeout: float | None = None,
+        session_ids: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order, as `EngineClient.generate` returns; an
-        engine dying mid-call costs its prompts a second run elsewhere, nothing more."""
+        engine dying mid-call costs its prompts a second run elsewhere, nothing more.
+        `session_ids`: see the module's docstring."""
         prompts, params = per_prompt(prompts, sampling_params)
+        if session_ids is not None and len(session_ids) != len(prompts):
+            raise InvalidRequestError(f"got {len(session_ids)} session ids for {len(prompts)} "
+                                      "prompts; one each (None for none)")
         self.membership.probe_dead()
         self.membership.check_weight_versions()
         results: dict[int, RequestOutput] = {}
         self.last_assignment = {}
         pending = list(range(len(prompts)))
         while pending:
-            assignment = self._assign(prompts, params, pending)
+            assignment = self._assign(prompts, params, pending, session_ids)
             pending = sorted(self._run_round(assignment, prompts, params, timeout, results))
         return [results[i] for i in range(len(prompts))]
+
+    def render_chat(self, *args: Any, **kwargs: Any) -> tuple[list[int], str]:
+        """`EngineClient.render_chat` on a live engine (every engine renders alike)."""
+        return self.membership.first_live().client.render_chat(*args, **kwargs)
 
     def _run_round(self, assignment, prompts, params, timeout, results) -> list[int]:
         """Send each engine its prompts and settle every call; the prompts to send again.
@@ -265,8 +278,10 @@ class EnginePool:
         for member_index, indices in assignment.items():
             self._release(self.members[member_index], loads, indices)
 
-    def _assign(self, prompts, params, indices: list[int]) -> dict[int, list[int]]:
-        """Each prompt to the engine that owns its prefix, else to the least loaded one."""
+    def _assign(self, prompts, params, indices: list[int],
+                session_ids: Sequence[str | None] | None = None) -> dict[int, list[int]]:
+        """Each prompt to the engine that holds its session, else to the one that owns its
+        prefix, else to the least loaded one."""
         assignment: dict[int, list[int]] = collections.defaultdict(list)  # member -> prompts
         membership = self.membership
         with membership.lock:
@@ -279,19 +294,29 @@ class EnginePool:
             num_samples = sum(params[i].n for i in indices)
             fair_share = -(-num_samples // len(candidates))
             for index in indices:
-                key = self._prefix_key(prompts[index])
-                owner = self._prefix_owner.get(key)
-                least = min(candidates, key=lambda i: self.members[i].num_assigned_samples)
-                least_load = self.members[least].num_assigned_samples
-                if owner not in candidates or (
-                    self.members[owner].num_assigned_samples + params[index].n
-                    > least_load + fair_share
-                ):
-                    owner = least
-                self._remember_prefix(key, owner)
+                session = session_ids[index] if session_ids is not None else None
+                owner = self._session_owner.get(session) if session is not None else None
+                if owner not in candidates:
+                    owner = self._by_prefix_or_load(prompts[index], params[index], candidates,
+                                                    fair_share)
+                if session is not None:
+                    _remember(self._session_owner, session, owner)
                 assignment[owner].append(index)
                 self.members[owner].num_assigned_samples += params[index].n
         return assignment
+
+    def _by_prefix_or_load(self, prompt: Prompt, params: SamplingParams, candidates: list[int],
+                           fair_share: int) -> int:
+        key = self._prefix_key(prompt)
+        owner = self._prefix_owner.get(key)
+        least = min(candidates, key=lambda i: self.members[i].num_assigned_samples)
+        least_load = self.members[least].num_assigned_samples
+        if owner not in candidates or (
+            self.members[owner].num_assigned_samples + params.n > least_load + fair_share
+        ):
+            owner = least
+        _remember(self._prefix_owner, key, owner)
+        return owner
 
     def _release(self, member: PoolMember, params, indices: list[int]) -> None:
         with self.membership.lock:
@@ -301,12 +326,6 @@ class EnginePool:
         if isinstance(prompt, str):
             return prompt[: 4 * self.prefix_tokens]  # about as many characters as tokens
         return tuple(prompt[: self.prefix_tokens])
-
-    def _remember_prefix(self, key: Hashable, owner: int) -> None:
-        self._prefix_owner[key] = owner
-        self._prefix_owner.move_to_end(key)
-        while len(self._prefix_owner) > _MAX_REMEMBERED_PREFIXES:
-            self._prefix_owner.popitem(last=False)
 
     # --------------------------------------------------------------- every engine at once
     def _broadcast(self, verb: str, *args: Any, **kwargs: Any) -> list[tuple[PoolMember, Any]]:
@@ -380,6 +399,14 @@ class EnginePool:
     def memory_state(self) -> MemoryState:
         """The first live engine's memory state (every engine gets the same verbs)."""
         return self.membership.first_live().client.memory_state()
+
+
+def _remember(owners: collections.OrderedDict, key: Hashable, owner: int) -> None:
+    """Record an owner, most recent last; the oldest are forgotten past a bound."""
+    owners[key] = owner
+    owners.move_to_end(key)
+    while len(owners) > _MAX_REMEMBERED_OWNERS:
+        owners.popitem(last=False)
 
 
 def _naming_engine(member: PoolMember, exc: Exception) -> Exception:

@@ -193,26 +193,60 @@ def _tool_call(call: Any, i: int) -> dict[str, Any]:
     return call
 
 
-def extend_tokens(processor: InputProcessor, rendered: RenderedChat, tokens: list[int]
-                  ) -> RenderedChat:
+def extend_tokens(processor: InputProcessor, request, rendered: RenderedChat,
+                  tokens: list[int]) -> RenderedChat:
     """Token-in chat (prime-rl's `/v1/chat/completions/tokens`): the prompt is `tokens` (the
     previous turn's prompt and completion ids, as sampled) followed by the tokens of what the
-    template renders after them (the new tool and user messages, the generation prompt), so
-    earlier turns are never tokenized again. The rendered conversation must extend the text of
-    `tokens` exactly; a template that rewrites history (drops reasoning, reformats calls)
-    cannot be bridged, and says where the two part."""
+    template renders after the last assistant message (the new tool and user messages, the
+    generation prompt), so earlier turns are never tokenized again.
+
+    `rendered` is `request` (the conversation, last assistant message included) rendered. Where
+    it starts with the text of `tokens`, the new part is what follows. Otherwise the template
+    renders the sampled answer its own way (tool-call JSON re-serialised, a stray space), and
+    the new part is what it renders after the assistant's end of turn: the conversation up to
+    the last assistant message must render as a prefix of the whole one (the template only
+    appends), and that message must end with the last token of `tokens` (the end-of-turn token
+    the model sampled) and nothing but whitespace. A bridge that cannot be built so is an
+    InvalidRequestError saying why, never a silent re-render."""
     if not tokens or not all(isinstance(t, int) and 0 <= t < processor.vocab_size
                              for t in tokens):
         raise InvalidRequestError("tokens must be a non-empty list of this model's token ids")
     before = processor.tokenizer.decode(tokens, skip_special_tokens=False)
-    if not rendered.text.startswith(before):
-        at = next((i for i, (a, b) in enumerate(zip(before, rendered.text)) if a != b),
-                  min(len(before), len(rendered.text)))
-        raise InvalidRequestError(
-            "the chat template does not extend `tokens`: at character "
-            f"{at} the rendered conversation has {rendered.text[at:at + 40]!r} where the "
-            f"tokens decode to {before[at:at + 40]!r} (a template that rewrites earlier turns, "
-            "or messages that are not the previous turn's output, cannot be bridged)")
-    suffix = rendered.text[len(before):]
+    if rendered.text.startswith(before):
+        suffix = rendered.text[len(before):]
+    else:
+        suffix = _after_last_answer(processor, request, rendered.text, tokens[-1], before)
     new_ids = processor.tokenizer.encode(suffix, add_special_tokens=False) if suffix else []
     return RenderedChat(rendered.text, list(tokens) + new_ids)
+
+
+def _after_last_answer(processor: InputProcessor, request, text: str, last_token: int,
+                       before: str) -> str:
+    """What the template renders after the last assistant message's end of turn."""
+    last = max((i for i, m in enumerate(request.messages) if m.get("role") == "assistant"),
+               default=None)
+    if last is None:
+        at = next((i for i, (a, b) in enumerate(zip(before, text)) if a != b),
+                  min(len(before), len(text)))
+        raise InvalidRequestError(
+            "the chat template does not extend `tokens`, and the messages hold no assistant "
+            f"message to bridge after: at character {at} the rendered conversation has "
+            f"{text[at:at + 40]!r} where the tokens decode to {before[at:at + 40]!r}")
+    head = render_chat(processor, ChatPrompt(
+        list(request.messages[:last + 1]), getattr(request, "tools", None),
+        getattr(request, "documents", None), getattr(request, "chat_template", None),
+        getattr(request, "chat_template_kwargs", None), add_generation_prompt=False,
+        reasoning_effort=getattr(request, "reasoning_effort", None)), fit_model=False).text
+    if not text.startswith(head):
+        raise InvalidRequestError(
+            "the chat template rewrites earlier turns when later messages follow (the "
+            "conversation up to the last assistant message does not render as a prefix of the "
+            "whole one); token in cannot bridge it")
+    end = processor.tokenizer.decode([last_token], skip_special_tokens=False)
+    at = head.rfind(end) if end.strip() else -1
+    if at < 0 or head[at + len(end):].strip():
+        raise InvalidRequestError(
+            f"`tokens` end with {end!r}, which is not how the chat template ends the last "
+            f"assistant message ({head[-40:]!r}); send the previous turn's prompt and "
+            "completion ids as they were, ending with the model's end-of-turn token")
+    return text[at + len(end):]

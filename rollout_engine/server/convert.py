@@ -116,6 +116,8 @@ def generate_response(request_id: str, output: RequestOutput, is_first: bool
         message.prompt_token_ids.extend(output.prompt_token_ids)
     if output.prompt_logprobs is not None:
         message.prompt_logprobs.extend(prompt_logprobs_to_proto(output.prompt_logprobs))
+    if output.num_cached_tokens is not None:
+        message.num_cached_tokens = output.num_cached_tokens
     for completion in output.outputs:
         if completion.finished:
             message.outputs.append(completion_to_proto(completion))
@@ -136,6 +138,8 @@ def batch_completions(prompt_index: int, output: RequestOutput) -> list[pb.Batch
             item.prompt_token_ids.extend(output.prompt_token_ids)
             if output.prompt_logprobs is not None:
                 item.prompt_logprobs.extend(prompt_logprobs_to_proto(output.prompt_logprobs))
+            if output.num_cached_tokens is not None:
+                item.num_cached_tokens = output.num_cached_tokens
         completions.append(item)
     return completions
 

@@ -101,7 +101,7 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
                 InputProcessor, model.model, model.hf_config, model.max_model_len)
         rendered = await asyncio.to_thread(render_chat, self._processor, prompt)
         if request.tokens:
-            rendered = await asyncio.to_thread(extend_tokens, self._processor, rendered,
+            rendered = await asyncio.to_thread(extend_tokens, self._processor, prompt, rendered,
                                                list(request.tokens))
         return pb.RenderChatResponse(prompt_token_ids=rendered.token_ids,
                                      prompt_text=rendered.text)

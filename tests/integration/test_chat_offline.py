@@ -117,5 +117,37 @@ def test_chat_token_in_extends_the_previous_turn(llm):
     (second,) = llm.chat(turn, params, chat_template=template, tokens=history)
     assert second.prompt_token_ids[:len(history)] == history
     assert len(second.prompt_token_ids) > len(history)
-    with pytest.raises(ValueError, match="does not extend"):
+    with pytest.raises(ValueError, match="not how the chat template ends"):
         llm.chat(turn, params, chat_template=template, tokens=[5, 6, 7])
+
+
+def test_token_in_bridges_a_template_that_renders_the_answer_its_own_way(llm, llama_dir):
+    """The template trims the answer, so the conversation's text does not extend the sampled
+    tokens: the new tokens are what it renders after the answer's end-of-turn token (EOS, as
+    Qwen's `<|im_end|>`), and the prompt keeps the sampled ids. A template that renders the
+    answer without the end-of-turn token the model sampled cannot be bridged."""
+    template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content | trim }}{{ eos_token }}\n"
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    turn = [{"role": "user", "content": "first"}]
+    (first,) = llm.chat(turn, forced("  spaced answer  "), chat_template=template)
+    sampled = first.outputs[0]
+    assert sampled.token_ids[-1] == tokenizer.eos_token_id  # the choice ended, then EOS
+    history = first.prompt_token_ids + sampled.token_ids
+    turn = [*turn, {"role": "assistant", "content": sampled.text},
+            {"role": "user", "content": "second"}]
+    params = SamplingParams(max_tokens=2)
+    (second,) = llm.chat(turn, params, chat_template=template, tokens=history)
+    assert second.prompt_token_ids[:len(history)] == history
+    new_text = f"\n<|user|>second{tokenizer.eos_token}\n<|assistant|>"
+    assert second.prompt_token_ids[len(history):] == tokenizer.encode(
+        new_text, add_special_tokens=False)
+    (rendered,) = llm.chat(turn, params, chat_template=template)  # the control: re-rendered
+    assert rendered.prompt_token_ids[:len(history)] != history
+    without_eos = template.replace("{{ eos_token }}", "")
+    with pytest.raises(ValueError, match="not how the chat template ends"):
+        llm.chat(turn, params, chat_template=without_eos, tokens=history)
+    rewriting = template.replace("{{ m.content | trim }}",
+                                 "{{ m.content if loop.last else 'earlier' }}")
+    with pytest.raises(ValueError, match="rewrites earlier turns"):
+        llm.chat(turn, params, chat_template=rewriting, tokens=history)

@@ -65,10 +65,12 @@ async def _chat_completion(raw_request: Request, model: type[ChatCompletionReque
     request = await read_json(raw_request, model, ctx.config.max_message_bytes)
     ctx.check_model(request.model)
     tools = ChatTools.for_request(request, ctx.config)
-    prompt = await ctx.render_chat(tools.prompt_request(),
+    prompt_request = tools.prompt_request()
+    prompt = await ctx.render_chat(prompt_request,
                                    fit_model=request.truncate_prompt_tokens is None)
     if isinstance(request, TokenChatCompletionRequest):
-        prompt = await ctx.off_loop(extend_tokens, ctx.processor, prompt, request.tokens)
+        prompt = await ctx.off_loop(extend_tokens, ctx.processor, prompt_request, prompt,
+                                    request.tokens)
     params = tools.constrain(chat_params(request, len(prompt.token_ids), ctx.max_model_len),
                              prompt.text)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
