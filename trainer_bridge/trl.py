@@ -56,6 +56,9 @@ if TYPE_CHECKING:
     from trainer_bridge.timeline import MemoryTimeline
 
 logger = logging.getLogger(__name__)
+MULTI_TURN_KV_KEEP_ALIVE_S = 30.0
+"""How long a tool-calling turn's KV is kept for the next turn (it also ends when that turn
+arrives, and yields to any request that needs the blocks)."""
 # Keys of TRL's `generation_kwargs` (vLLM SamplingParams fields) that the backend sets itself or
 # that make no sense for a rollout, with the way out; every other SamplingParams field passes.
 _REFUSED_GENERATION_KWARGS = {
@@ -180,6 +183,9 @@ class EngineGeneration:
         self.generate_timeout_s = generate_timeout_s
         self.last_weight_versions: set[int] = set()
         """Weight versions that produced the last rollout's completions."""
+        self.kv_keep_alive_s = 0.0
+        """Multi-turn (the trainer has tools or environments): each turn asks the engine to
+        keep its KV for the next turn this long (`SamplingParams.kv_keep_alive_s`)."""
         self._check_dtype(weight_dtype)
         self._is_rolling_out = False
         self._forward_hook = model.register_forward_pre_hook(_SleepOnForward(self))
@@ -278,6 +284,7 @@ class EngineGeneration:
             "min_p": args.min_p or 0.0,
             "repetition_penalty": args.repetition_penalty,
             "max_tokens": max_tokens,
+            "kv_keep_alive_s": self.kv_keep_alive_s,
         }
         fields.update(_engine_kwargs(args.generation_kwargs or {}))
         regex = getattr(args, "vllm_structured_outputs_regex", None)
@@ -376,6 +383,8 @@ def attach_engine(
         weight_dtype=weight_dtype,
     )
     _warn_on_precision_gap(trainer.args, client)
+    if getattr(trainer, "tools", None):  # TRL's tool loop: turn k+1 extends turn k's tokens
+        backend.kv_keep_alive_s = MULTI_TURN_KV_KEEP_ALIVE_S
     trainer.vllm_generation = backend
     trainer.use_vllm = True  # turns on TRL's vLLM path, importance-sampling correction included
     trainer.vllm_mode = "server"  # the engine runs in its own process, like a vLLM server
