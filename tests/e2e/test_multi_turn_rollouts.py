@@ -101,3 +101,33 @@ def _schema() -> dict:
     from transformers.utils import get_json_schema
 
     return get_json_schema(search)
+
+
+@pytest.mark.slow  # two server starts; the pool's placement is tested in test_engine_pool
+def test_a_pool_keeps_every_turn_of_a_conversation_on_one_engine(llama_dir, tmp_path):
+    """Through an EnginePool of two engines, each conversation's turns meet the KV of its
+    earlier turns (only the engine that served them holds it), and both engines serve."""
+    from trainer_bridge.engine_pool import EnginePool
+    from trainer_bridge.server_process import EngineServer
+
+    servers = [EngineServer(llama_dir, engine_options={"kv_cache_bytes": "16MiB",
+                                                       "max_model_len": 1024},
+                            extra_args=["--trust-request-chat-template"],
+                            log_path=tmp_path / f"{name}.log") for name in "ab"]
+    try:
+        with EnginePool([s.address for s in servers], timeout=120) as pool:
+            conversations = [[{"role": "user", "content": f"Find note {i}."}] for i in range(6)]
+            rollouts = multi_turn_rollouts(
+                pool, conversations, [search], SamplingParams(temperature=1.0, seed=3,
+                                                              max_tokens=120),
+                tool_parser="hermes", tool_choice="required", parallel_tool_calls=False,
+                max_turns=3, chat_template=TEMPLATE)
+            for rollout in rollouts:
+                for previous, turn in zip(rollout.turns, rollout.turns[1:]):
+                    with_kv = len(previous.prompt_token_ids) + len(previous.token_ids) - 1
+                    assert turn.num_cached_tokens == with_kv // BLOCK * BLOCK
+            served = [EngineClient(s.address).info().num_requests_total for s in servers]
+            assert all(served), served
+    finally:
+        for server in servers:
+            server.kill()
