@@ -195,6 +195,7 @@ def report(results: dict[str, list[Conversation]], args) -> None:
         left.legend()
         right.legend()
         figure.tight_layout()
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(args.plot)
         print(f"plot: {args.plot}")
 
@@ -212,7 +213,7 @@ def main() -> None:
     parser.add_argument("--size", default="tiny", help="size preset of the built model")
     parser.add_argument("--vllm-url", help="also run re-render against this vllm serve")
     parser.add_argument("--vllm-model", help="the model name vllm serve serves")
-    parser.add_argument("--plot", default="multi_turn.png")
+    parser.add_argument("--plot", default="benchmarks/results/multi_turn.png")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "model", "qwen2", args.size, seed=0,
