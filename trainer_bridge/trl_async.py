@@ -15,6 +15,10 @@ the new weights after the sync instead of being aborted, so a rollout may span t
         args=AsyncGRPOConfig(..., vllm_server_base_url="http://127.0.0.1:8000"))
     trainer.train()
 
+With `tools=`, the worker sends each turn after the first as token in
+(`/v1/chat/completions/tokens`, trl_async_turns.py), so every turn extends the tokens the
+trainer holds: serve with `--trust-request-chat-template` (the worker sends its template).
+
 The HTTP API must take requests without an API key (TRL's worker sends none): serve it on
 loopback without `--api-key`. The worker needs `aiohttp`; vLLM itself is not needed.
 """
@@ -22,16 +26,22 @@ loopback without `--api-key`. The worker needs `aiohttp`; vLLM itself is not nee
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl.experimental.async_grpo import AsyncGRPOTrainer, async_rollout_worker
+from trl.experimental.async_grpo import (
+    AsyncGRPOTrainer,
+    async_grpo_trainer,
+    async_rollout_worker,
+)
 
 from trainer_bridge.client import EngineClient
 from trainer_bridge.transports import WeightManifest, named_tensors
+from trainer_bridge.trl_async_turns import TokenInRolloutWorker
 
 logger = logging.getLogger(__name__)
 
@@ -127,14 +137,16 @@ class EngineWeightTransfer:
 
 class EngineAsyncGRPOTrainer(AsyncGRPOTrainer):
     """`AsyncGRPOTrainer` whose weights go to the engine through an `EngineWeightTransfer`
-    (`weight_transfer`, or one built for `engine`: a gRPC address or client); TRL's own
-    rollout worker generates over the engine's HTTP API at `args.vllm_server_base_url`."""
+    (`weight_transfer`, or one built for `engine`: a gRPC address or client); TRL's rollout
+    worker generates over the engine's HTTP API at `args.vllm_server_base_url`, its later tool
+    turns as token in (trl_async_turns.py); `request_extras` join every generation request."""
 
     def __init__(
         self,
         *args: Any,
         engine: EngineClient | str | None = None,
         weight_transfer: EngineWeightTransfer | None = None,
+        request_extras: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         if (engine is None) == (weight_transfer is None):
@@ -142,17 +154,21 @@ class EngineAsyncGRPOTrainer(AsyncGRPOTrainer):
                             "`weight_transfer` (an EngineWeightTransfer), not both")
         if weight_transfer is None:
             weight_transfer = EngineWeightTransfer(engine)
-        with _rollout_worker_without_vllm():
+        with _token_in_rollout_worker(request_extras):
             super().__init__(*args, weight_transfer=weight_transfer, **kwargs)
 
 
 @contextlib.contextmanager
-def _rollout_worker_without_vllm() -> Iterator[None]:
-    """TRL's AsyncRolloutWorker refuses to be built without vLLM installed, though it only
-    speaks HTTP (aiohttp) to the server: let it be built against this engine."""
-    check = async_rollout_worker.is_vllm_available
+def _token_in_rollout_worker(request_extras: dict[str, Any] | None) -> Iterator[None]:
+    """While AsyncGRPOTrainer builds its default rollout worker: build ours instead
+    (`TokenInRolloutWorker`: later tool turns as token in), and let it be built without vLLM
+    installed (TRL's refuses, though it only speaks HTTP to the server)."""
+    check, worker = async_rollout_worker.is_vllm_available, async_grpo_trainer.AsyncRolloutWorker
     async_rollout_worker.is_vllm_available = lambda *args, **kwargs: True
+    async_grpo_trainer.AsyncRolloutWorker = functools.partial(
+        TokenInRolloutWorker, request_extras=request_extras)
     try:
         yield
     finally:
         async_rollout_worker.is_vllm_available = check
+        async_grpo_trainer.AsyncRolloutWorker = worker

@@ -77,3 +77,19 @@ def agent_server(tmp_path_factory, llama_dir):
         "--served-model-name", AGENT_MODEL_NAME)
     yield process
     assert process.stop() == 0, process.log()[-3000:]
+
+
+@pytest.fixture
+def cpu_trainer_kernels(monkeypatch):
+    """AsyncGRPOTrainer on the CPU: its MFU lookup (which asks CUDA for the device name) off;
+    the returned callable swaps its tree attention (FA3) for SDPA per segment, once the trainer
+    is built (building registers TRL's); TRL's is registered again afterwards."""
+    from transformers import AttentionInterface
+    from trl.experimental.async_grpo import async_grpo_trainer
+    from trl.experimental.async_grpo.packing import TREE_ATTENTION, register_tree_attention
+
+    from tests.e2e.trl_async_helpers import sdpa_tree_attention
+
+    monkeypatch.setattr(async_grpo_trainer, "get_peak_flops_per_device", lambda *args: None)
+    yield lambda: AttentionInterface.register(TREE_ATTENTION, sdpa_tree_attention)
+    register_tree_attention()

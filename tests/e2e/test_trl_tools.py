@@ -11,14 +11,13 @@ choice constraint makes its random weights answer with a call or with text."""
 from __future__ import annotations
 
 import collections
-import os
 
 import pytest
 import torch
-import trl
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig
+from trl.chat_template_utils import qwen3_chat_template
 
 from trainer_bridge import EngineClient
 from trainer_bridge.server_process import EngineServer
@@ -64,8 +63,7 @@ def length_reward(completions, **kwargs) -> list[float]:
 def qwen_model_dir(tmp_path_factory, llama_dir):
     model_dir = tmp_path_factory.mktemp("qwen_template") / "llama"
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
-    tokenizer.chat_template = open(os.path.join(os.path.dirname(trl.__file__),
-                                                "chat_templates", "qwen3.jinja")).read()
+    tokenizer.chat_template = qwen3_chat_template
     AutoModelForCausalLM.from_pretrained(llama_dir).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     return model_dir
