@@ -128,11 +128,14 @@ class VllmServer:
 
     def __init__(self, model_dir: str, *, max_model_len: int, max_num_batched_tokens: int,
                  max_num_seqs: int, threads: int | None = None, kv_cache_gib: int = 4,
-                 log_path: str | None = None, startup_timeout_s: float = 900.0) -> None:
+                 log_path: str | None = None, startup_timeout_s: float = 900.0,
+                 extra_args: tuple[str, ...] = ()) -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+        # Dev mode serves /reset_prefix_cache, which benchmarks call between modes.
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+               "VLLM_SERVER_DEV_MODE": "1"}
         if threads:
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
         self._log = open(log_path or os.devnull, "w")  # noqa: SIM115 - lives with the server
@@ -143,7 +146,7 @@ class VllmServer:
              "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
              "--max-model-len", str(max_model_len),
              "--max-num-batched-tokens", str(max_num_batched_tokens),
-             "--max-num-seqs", str(max_num_seqs), "--enable-prefix-caching"],
+             "--max-num-seqs", str(max_num_seqs), "--enable-prefix-caching", *extra_args],
             env=env, stdout=self._log, stderr=subprocess.STDOUT)
         self.base_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + startup_timeout_s

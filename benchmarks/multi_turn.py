@@ -24,7 +24,10 @@ a block), TTFT at the last turn within 1.2x of the first, samples per rollout ex
 
     python -m benchmarks.multi_turn                        # tiny model, 64 x 8
     python -m benchmarks.multi_turn --conversations 16 --turns 4    # a quick look
-    python -m benchmarks.multi_turn --vllm-url http://127.0.0.1:8000  # re-render on vllm serve
+
+With vLLM's CPU build installed (`make peers`), the re-render mode also runs against `vllm serve`
+on the same model (after ours has stopped; prefix caching on, its KV space 1 GiB, more than our
+pool): vLLM has no token-in route, so re-rendering is what its clients do.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from benchmarks.common import kv_bytes_per_token
+from benchmarks.common import VllmServer, kv_bytes_per_token, vllm_available, vllm_missing_note
 from rollout_engine.tiny_model import build_tiny_model
 from trainer_bridge.server_process import EngineServer
 
@@ -85,6 +88,8 @@ def stream_turn(session: requests.Session, url: str, body: dict) -> tuple[dict, 
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"{url}: {chunk['error']}")
             if chunk.get("prompt_token_ids"):
                 answer["prompt_token_ids"] = chunk["prompt_token_ids"]
             if chunk.get("usage"):
@@ -108,9 +113,11 @@ def run_conversation(base_url: str, model: str, index: int, args, token_in: bool
             # The answer ends with the model's end of turn (EOS) once its regex is done, as a
             # trained policy's does; lowercase ASCII keeps its text its tokens' own.
             body = {"model": model, "messages": messages, "max_tokens": 4 * args.answer_chars,
-                    "temperature": 1.0, "seed": args.seed + 31 * index + turn, "stream": True,
+                    "temperature": 1.0, "stream": True,
                     "stream_options": {"include_usage": True}, "return_token_ids": True,
                     "structured_outputs": {"regex": f"[a-z ]{{{args.answer_chars}}}"}}
+            if not getattr(args, "unseeded", False):
+                body["seed"] = args.seed + 31 * index + turn
             path = "/v1/chat/completions"
             if token_in:
                 body["kv_keep_alive_s"] = 30.0
@@ -137,6 +144,11 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 def run_mode(base_url: str, model: str, args, token_in: bool, label: str) -> list[Conversation]:
+    """All conversations at once, after a short warm-up (first requests pay one-time costs:
+    the answer grammar, allocations) and with the prefix cache reset."""
+    warm_up = argparse.Namespace(**{**vars(args), "turns": 2, "seed": args.seed + 1})
+    for index in range(2):
+        run_conversation(base_url, model, index, warm_up, token_in)
     requests.post(base_url + "/reset_prefix_cache", timeout=60)
     with concurrent.futures.ThreadPoolExecutor(args.conversations) as pool:
         futures = [pool.submit(run_conversation, base_url, model, i, args, token_in)
@@ -211,13 +223,16 @@ def main() -> None:
                         help="KV pool / tokens all conversations hold at their end")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--size", default="tiny", help="size preset of the built model")
-    parser.add_argument("--vllm-url", help="also run re-render against this vllm serve")
-    parser.add_argument("--vllm-model", help="the model name vllm serve serves")
+    parser.add_argument("--skip-vllm", action="store_true",
+                        help="do not run re-render against vllm serve even if it is installed")
+    parser.add_argument("--threads", type=int, default=2, help="vllm serve's OpenMP threads")
     parser.add_argument("--plot", default="benchmarks/results/multi_turn.png")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        # Heads of 32 dimensions (the tiny preset's 16 are below vLLM's CPU kernels' smallest).
+        heads = {"num_attention_heads": 2, "num_key_value_heads": 1} if args.size == "tiny" else {}
         model_dir = build_tiny_model(Path(tmp) / "model", "qwen2", args.size, seed=0,
-                                     max_position_embeddings=8192)
+                                     max_position_embeddings=8192, **heads)
         (Path(model_dir) / "chat_template.jinja").write_text(TEMPLATE)
         import torch
 
@@ -235,9 +250,27 @@ def main() -> None:
                 "token-in": run_mode(base_url, "model", args, True, "token-in"),
                 "re-render": run_mode(base_url, "model", args, False, "re-render"),
             }
-        if args.vllm_url:
-            results["vllm re-render"] = run_mode(args.vllm_url, args.vllm_model, args, False,
-                                                 "vllm re-render")
+        if args.skip_vllm:
+            pass
+        elif vllm_available():
+            vllm = VllmServer(str(model_dir), max_model_len=8192, max_num_batched_tokens=8192,
+                              max_num_seqs=args.conversations, threads=args.threads,
+                              kv_cache_gib=1, log_path=str(Path(tmp) / "vllm.log"),
+                              extra_args=("--enable-prompt-tokens-details",))
+            try:
+                # Unseeded: vLLM 0.32's CPU worker fails seeded requests in a mixed batch
+                # ("CPU Generator does not use offset") and its engine dies.
+                unseeded = argparse.Namespace(**{**vars(args), "unseeded": True})
+                results["vllm re-render"] = run_mode(vllm.base_url, str(model_dir), unseeded,
+                                                     False, "vllm re-render")
+            except RuntimeError as error:  # its engine died: say why, keep our figures
+                log = (Path(tmp) / "vllm.log").read_text().splitlines()
+                print(f"vllm serve failed: {error}\n" + "\n".join([
+                    line for line in log if "Error" in line and "serving" not in line][-5:]))
+            finally:
+                vllm.stop()
+        else:
+            print(f"vllm serve skipped: {vllm_missing_note()}")
     report(results, args)
 
 
