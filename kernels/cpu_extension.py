@@ -1,4 +1,6 @@
-"""The compiled CPU attention kernel (`kernels/csrc/paged_attention_cpu.cpp`), built on first use.
+"""The compiled CPU kernels, built on first use: paged attention
+(`kernels/csrc/paged_attention_cpu.cpp`) and the batch-invariant linear layer
+(`kernels/csrc/batch_invariant_cpu.cpp`).
 
 It is compiled with the machine's C++ compiler through `torch.utils.cpp_extension` (for this
 CPU: `-O3 -march=native`) into torch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
@@ -21,7 +23,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("paged_attention_cpu.cpp", "batch_invariant_cpu.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / "cpu_vec.h"]
 _NAME = "rollout_engine_cpu_attention"
 _ENV = "ROLLOUT_ENGINE_CPU_KERNEL"
@@ -53,7 +56,7 @@ def _load() -> bool:
 
         cpp_extension.load(
             name=_NAME,
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             # torch keys its cache on the sources and flags: the headers' digest is a flag, so an
             # edited header gets a build of its own.
             extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DROLLOUT_HEADERS={_digest()}"],
@@ -103,6 +106,14 @@ def paged_attention_short(
         group_starts, group_shared, float(scale), int(sliding_window or 0), out,
         float(softcap or 0.0), sinks,
     )
+
+
+def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T + bias with every output in one fixed order, whatever M, the
+    row's place and the thread count (see the C++ source); no autograd (see
+    `rollout_engine.batch_invariant.linear`)."""
+    return torch.ops.rollout_cpu.batch_invariant_linear(x, weight, bias)
 
 
 def main() -> None:

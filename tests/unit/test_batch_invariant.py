@@ -1,0 +1,111 @@
+"""The batch-invariant linear layer: a row's bits do not depend on the batch around it, its
+place in it or the thread count; it stays accurate; its gradients are right; the mode routes a
+Hugging Face model's linear layers to it in the thread that entered it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rollout_engine.batch_invariant import (
+    is_batch_invariant_mode_enabled,
+    linear,
+    set_batch_invariant_mode,
+)
+from tests.unit.test_paged_attention_cpu import require_kernel
+
+SHAPES = [(64, 128), (100, 37), (512, 1536), (1000, 3)]  # (K, N): K off the 16-lane groups too
+
+
+@pytest.fixture(autouse=True)
+def kernel() -> None:
+    require_kernel()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+def test_a_row_has_the_same_bits_alone_in_any_batch_and_with_any_thread_count(dtype, k, n):
+    generator = torch.Generator().manual_seed(k * n)
+    x = torch.randn(70, k, generator=generator).to(dtype)
+    weight = torch.randn(n, k, generator=generator).to(dtype)
+    bias = torch.randn(n, generator=generator).to(dtype)
+    full = linear(x, weight, bias)
+    for row in (0, 3, 41, 69):
+        assert torch.equal(linear(x[row:row + 1], weight, bias), full[row:row + 1])
+    order = torch.randperm(70, generator=generator)
+    assert torch.equal(linear(x[order], weight, bias), full[order])
+    assert torch.equal(linear(x[5:38], weight, bias), full[5:38])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(linear(x, weight, bias), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"),
+                         [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float64, 1e-12)])
+def test_it_computes_the_linear_layer(dtype, tolerance):
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 9, 200, generator=generator).to(dtype)  # leading dims kept
+    weight = torch.randn(300, 200, generator=generator).to(dtype) / 200 ** 0.5
+    bias = torch.randn(300, generator=generator).to(dtype)
+    out = linear(x, weight, bias)
+    assert out.shape == (3, 9, 300) and out.dtype == dtype
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    torch.testing.assert_close(out.double(), exact, rtol=tolerance, atol=tolerance)
+    no_bias = linear(x, weight)
+    torch.testing.assert_close(no_bias.double(), exact - bias.double(), rtol=tolerance,
+                               atol=tolerance)
+
+
+def test_gradients_are_right():
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 19, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(7, 19, dtype=torch.float64, generator=generator, requires_grad=True)
+    bias = torch.randn(7, dtype=torch.float64, generator=generator, requires_grad=True)
+    assert torch.autograd.gradcheck(linear, (x, weight, bias))
+    assert torch.autograd.gradcheck(lambda a, w: linear(a, w), (x, weight))
+
+
+def test_shapes_that_do_not_fit_are_refused():
+    with pytest.raises(RuntimeError, match="features"):
+        linear(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        linear(torch.randn(2, 8), torch.randn(4, 8, dtype=torch.float64))
+
+
+def test_the_mode_routes_every_linear_layer_of_the_thread_that_entered_it():
+    layer = torch.nn.Linear(40, 30)
+    x = torch.randn(6, 40)
+    with torch.no_grad():
+        expected = linear(x, layer.weight, layer.bias)
+        assert not is_batch_invariant_mode_enabled()
+        with set_batch_invariant_mode():
+            assert is_batch_invariant_mode_enabled()
+            assert torch.equal(layer(x), expected)
+            with set_batch_invariant_mode(False):  # a flag passed through: no change
+                assert torch.equal(layer(x), expected)
+            seen = []
+            other = threading.Thread(target=lambda: seen.append(is_batch_invariant_mode_enabled()))
+            other.start()
+            other.join()
+            assert seen == [False]
+        assert not is_batch_invariant_mode_enabled()
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_training_through_the_mode_gets_the_plain_gradients():
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.SiLU(), torch.nn.Linear(48, 5))
+    x = torch.randn(11, 24)
+    model(x).square().sum().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with set_batch_invariant_mode():
+        model(x).square().sum().backward()
+    for grad, expected in zip((p.grad for p in model.parameters()), plain, strict=True):
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5)
