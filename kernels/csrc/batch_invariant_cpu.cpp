@@ -43,9 +43,43 @@ constexpr int64_t kRows = 4;      // outputs computed together: kRows x kCols
 constexpr int64_t kCols = 4;
 constexpr int64_t kChunk = 64;    // columns per parallel work item
 
+// Sixteen lanes as plain scalars: the portable path (float) and double inputs.
+template <typename T>
+struct Lanes16 {
+  T v[kLanes];
+  static Lanes16 zero() { return Lanes16{}; }
+  template <typename U>
+  static Lanes16 load(const U* p) {
+    Lanes16 out;
+    for (int64_t i = 0; i < kLanes; ++i) out.v[i] = static_cast<T>(p[i]);
+    return out;
+  }
+  static Lanes16 fma(Lanes16 a, Lanes16 b, Lanes16 c) {
+    for (int64_t i = 0; i < kLanes; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+    return c;
+  }
+  T tree_sum() const {
+    T s[kLanes];
+    std::copy(v, v + kLanes, s);
+    for (int64_t width = kLanes / 2; width >= 1; width /= 2)
+      for (int64_t i = 0; i < width; ++i) s[i] = s[i] + s[i + width];
+    return s[0];
+  }
+};
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// Lanes i + i+4, then i + i+2, then i + i+1 of a sum already halved to eight lanes.
+inline float tree_sum8(__m256 s8) {
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 0x55));
+  return _mm_cvtss_f32(s1);
+}
+#endif
+
 // Sixteen float32 lanes in whatever registers the CPU has.
-struct Vec16 {
 #if defined(__AVX512F__)
+struct Vec16 {
   __m512 v;
   static Vec16 zero() { return {_mm512_setzero_ps()}; }
   static Vec16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
@@ -58,11 +92,12 @@ struct Vec16 {
   }
   static Vec16 fma(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   float tree_sum() const {
-    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v),
-                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    return tree_sum8(s8);
+    const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    return tree_sum8(_mm256_add_ps(_mm512_castps512_ps256(v), high));
   }
+};
 #elif defined(__AVX2__) && defined(__FMA__)
+struct Vec16 {
   __m256 lo, hi;  // lanes 0-7, 8-15
   static Vec16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static Vec16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
@@ -80,60 +115,13 @@ struct Vec16 {
     return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
   }
   float tree_sum() const { return tree_sum8(_mm256_add_ps(lo, hi)); }
-#else
-  float v[kLanes];
-  static Vec16 zero() { return Vec16{}; }
-  template <typename T>
-  static Vec16 load(const T* p) {
-    Vec16 out;
-    for (int64_t i = 0; i < kLanes; ++i) out.v[i] = static_cast<float>(p[i]);
-    return out;
-  }
-  static Vec16 fma(Vec16 a, Vec16 b, Vec16 c) {
-    for (int64_t i = 0; i < kLanes; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
-    return c;
-  }
-  float tree_sum() const {
-    float s[kLanes];
-    std::copy(v, v + kLanes, s);
-    for (int64_t width = kLanes / 2; width >= 1; width /= 2)
-      for (int64_t i = 0; i < width; ++i) s[i] = s[i] + s[i + width];
-    return s[0];
-  }
-#endif
-
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  // Lanes i + i+4, then i + i+2, then i + i+1 of an already halved sum.
-  static float tree_sum8(__m256 s8) {
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 0x55));
-    return _mm_cvtss_f32(s1);
-  }
-#endif
 };
+#else
+using Vec16 = Lanes16<float>;
+#endif
 
 // The same order in double, for double inputs (gradient checks): always the portable loops.
-struct Vec16d {
-  double v[kLanes];
-  static Vec16d zero() { return Vec16d{}; }
-  static Vec16d load(const double* p) {
-    Vec16d out;
-    std::copy(p, p + kLanes, out.v);
-    return out;
-  }
-  static Vec16d fma(Vec16d a, Vec16d b, Vec16d c) {
-    for (int64_t i = 0; i < kLanes; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
-    return c;
-  }
-  double tree_sum() const {
-    double s[kLanes];
-    std::copy(v, v + kLanes, s);
-    for (int64_t width = kLanes / 2; width >= 1; width /= 2)
-      for (int64_t i = 0; i < width; ++i) s[i] = s[i] + s[i + width];
-    return s[0];
-  }
-};
+using Vec16d = Lanes16<double>;
 
 template <typename scalar_t>
 using VecFor = std::conditional_t<std::is_same_v<scalar_t, double>, Vec16d, Vec16>;

@@ -4,7 +4,10 @@ Hugging Face model's linear layers to it in the thread that entered it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,3 +112,43 @@ def test_training_through_the_mode_gets_the_plain_gradients():
         model(x).square().sum().backward()
     for grad, expected in zip((p.grad for p in model.parameters()), plain, strict=True):
         torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5)
+
+
+_VARIANT = """
+import sys, torch
+from torch.utils import cpp_extension
+name, out, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
+if name == "native":
+    from kernels import cpu_extension
+    assert cpu_extension.available()
+else:
+    cpp_extension.load(name=name, sources=["kernels/csrc/batch_invariant_cpu.cpp"],
+                       extra_cflags=flags + ["-fopenmp"], extra_ldflags=["-fopenmp"],
+                       is_python_module=False)
+generator = torch.Generator().manual_seed(0)
+outs = []
+for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+    x, w, b = (torch.randn(*shape, generator=generator).to(dtype)
+               for shape in ((37, 203), (45, 203), (45,)))
+    outs.append(torch.ops.rollout_cpu.batch_invariant_linear(x, w, b))
+torch.save(outs, out)
+"""
+
+
+@pytest.mark.slow
+def test_the_bits_do_not_depend_on_the_vector_width(tmp_path):
+    """The AVX-512 build (this machine's -march=native), an AVX2 build and the portable loops
+    follow one order: their outputs are equal, bit for bit (each variant builds in its own
+    process)."""
+    root = Path(__file__).resolve().parents[2]
+    variants = {"native": [], "bi_test_avx2": ["-O2", "-mavx2", "-mfma", "-mf16c"],
+                "bi_test_portable": ["-O2"]}
+    results = {}
+    for name, flags in variants.items():
+        out = tmp_path / f"{name}.pt"
+        subprocess.run([sys.executable, "-c", _VARIANT, name, str(out), *flags], cwd=root,
+                       check=True, timeout=300)
+        results[name] = torch.load(out)
+    for name in variants:
+        assert all(torch.equal(a, b) for a, b in zip(results["native"], results[name],
+                                                       strict=True)), name
