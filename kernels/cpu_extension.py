@@ -1,6 +1,6 @@
 """The compiled CPU kernels, built on first use: paged attention
-(`kernels/csrc/paged_attention_cpu.cpp`) and the batch-invariant linear layer
-(`kernels/csrc/batch_invariant_cpu.cpp`).
+(`kernels/csrc/paged_attention_cpu.cpp`) and the batch-invariant linear layer and attention
+(`kernels/csrc/batch_invariant_cpu.cpp`, `batch_invariant_attention_cpu.cpp`).
 
 It is compiled with the machine's C++ compiler through `torch.utils.cpp_extension` (for this
 CPU: `-O3 -march=native`) into torch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
@@ -24,8 +24,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_attention_cpu.cpp", "batch_invariant_cpu.cpp")]
-HEADERS = [Path(__file__).parent / "csrc" / "cpu_vec.h"]
+           for name in ("paged_attention_cpu.cpp", "batch_invariant_cpu.cpp",
+                        "batch_invariant_attention_cpu.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / name
+           for name in ("cpu_vec.h", "batch_invariant_vec.h")]
 _NAME = "rollout_engine_cpu_attention"
 _ENV = "ROLLOUT_ENGINE_CPU_KERNEL"
 _lock = threading.Lock()
@@ -114,6 +116,16 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor,
     row's place and the thread count (see the C++ source); no autograd (see
     `rollout_engine.batch_invariant.linear`)."""
     return torch.ops.rollout_cpu.batch_invariant_linear(x, weight, bias)
+
+
+def batch_invariant_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              mask: torch.Tensor | None, is_causal: bool,
+                              scale: float) -> torch.Tensor:
+    """sdpa's layout ([B, H, L, D]; mask bool, true = visible) with every output in one fixed
+    order, whatever the batch, the padding or the keys after the query (see the C++ source);
+    no autograd (see `rollout_engine.batch_invariant.attention`)."""
+    return torch.ops.rollout_cpu.batch_invariant_attention(query, key, value, mask,
+                                                           bool(is_causal), float(scale))
 
 
 def main() -> None:

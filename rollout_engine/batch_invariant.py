@@ -10,13 +10,16 @@ its place in the batch or on the number of threads.
 
 `set_batch_invariant_mode()` (the name of Thinking Machines' `batch_invariant_ops`) is a context
 manager: inside it, in this thread, `torch.nn.functional.linear` (every `nn.Linear`, the LM head
-included) runs the batch-invariant linear layer, with a backward pass of plain matmuls (gradients
-need not be invariant, only correct).
+included, and the experts of a mixture-of-experts layer through `torch._grouped_mm`) runs the
+batch-invariant linear layer and `F.scaled_dot_product_attention` (a Hugging
+Face model's "sdpa" attention) the batch-invariant attention, each with a backward pass of plain
+torch ops (gradients need not be invariant, only correct).
 
     with set_batch_invariant_mode():
         logits = model(input_ids, attention_mask=mask).logits
 
-What is covered so far: linear layers on the CPU, in float32, bfloat16, float16 and float64.
+What is covered so far: linear layers (float32, bfloat16, float16, float64) and sdpa attention
+(float32, bfloat16, float16) on the CPU, in the trainer's forward; not yet the engine.
 """
 
 from __future__ import annotations
@@ -40,13 +43,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` (x [..., K], weight [N, K], bias [N]) with every output in one fixed order;
     differentiable."""
-    if x.device.type != "cpu" or weight.device.type != "cpu":
-        raise BatchInvariantUnavailableError(
-            f"the batch-invariant linear layer runs on the CPU only (got {x.device.type})")
-    if not cpu_extension.available():
-        raise BatchInvariantUnavailableError(
-            "the batch-invariant linear layer needs the compiled CPU kernels (`make cpu-kernel`; "
-            "a C++ compiler; ROLLOUT_ENGINE_CPU_KERNEL not 0)")
+    _require_kernels(x, weight)
     return _Linear.apply(x, weight, bias)
 
 
@@ -73,14 +70,109 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`torch._grouped_mm` as mixture-of-experts layers call it (rows [S, K] sorted by expert,
+    expert weights [E, K, N], `offs` the cumulative row counts): each expert's rows through the
+    batch-invariant linear layer; differentiable. Rows past the last offset are zeros."""
+    if mat_a.dim() != 2 or mat_b.dim() != 3 or offs is None or bias is not None or (
+            out_dtype not in (None, mat_a.dtype)):
+        raise ValueError("batch-invariant grouped_mm takes 2-D rows, 3-D expert weights and "
+                         "offs, without bias or another output dtype")
+    pieces, start = [], 0
+    for expert, end in enumerate(offs.tolist()):
+        pieces.append(linear(mat_a[start:end], mat_b[expert].transpose(0, 1)))
+        start = end
+    pieces.append(mat_a.new_zeros(mat_a.shape[0] - start, mat_b.shape[2]))
+    return torch.cat(pieces)
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+              is_causal: bool = False, scale: float | None = None,
+              enable_gqa: bool = False) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` with every output in one fixed order (each query's
+    visible keys in groups of 16, counted from its first visible key); differentiable. The mask
+    is bool (true = visible) or additive with 0 and -inf (or the dtype's lowest) only. Query
+    heads may be a multiple of key/value heads (`enable_gqa` or not). No dropout."""
+    _require_kernels(query, key, value)
+    if dropout_p:
+        raise ValueError("batch-invariant attention has no dropout (dropout_p must be 0)")
+    if attn_mask is not None and is_causal:
+        raise ValueError("pass attn_mask or is_causal, not both (as sdpa)")
+    visible = None if attn_mask is None else _visible(attn_mask)
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    return _Attention.apply(query, key, value, visible, is_causal, scale)
+
+
+def _visible(mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return mask
+    visible = mask == 0
+    if not bool(torch.all(visible | (mask <= torch.finfo(mask.dtype).min / 2))):
+        raise ValueError("batch-invariant attention takes masks of 0 and -inf only (a bias "
+                         "such as ALiBi would need its own kernel)")
+    return visible
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, visible, is_causal, scale):
+        ctx.save_for_backward(query, key, value, visible)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        return cpu_extension.batch_invariant_attention(query, key, value, visible, is_causal,
+                                                       scale)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        """Gradients of the same attention through plain torch ops (correct, not invariant)."""
+        query, key, value, visible = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in (query, key, value)]
+            q, k, v = inputs
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+            scores = (q.float() @ k.float().transpose(-1, -2)) * ctx.scale
+            if visible is None and ctx.is_causal:
+                visible = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+            if visible is not None:
+                scores = scores.masked_fill(~visible, float("-inf"))
+            weights = torch.softmax(scores, -1).nan_to_num(0.0)  # rows that see nothing: 0
+            out = (weights @ v.float()).to(q.dtype)
+            grads = torch.autograd.grad(out, inputs, grad_out)
+        return (*grads, None, None, None)
+
+
+def _require_kernels(*tensors: torch.Tensor) -> None:
+    if any(t.device.type != "cpu" for t in tensors):
+        raise BatchInvariantUnavailableError(
+            "the batch-invariant kernels run on the CPU only (got "
+            f"{sorted({t.device.type for t in tensors})})")
+    if not cpu_extension.available():
+        raise BatchInvariantUnavailableError(
+            "the batch-invariant kernels need the compiled CPU kernels (`make cpu-kernel`; a "
+            "C++ compiler; ROLLOUT_ENGINE_CPU_KERNEL not 0)")
+
+
+_ROUTES = {
+    F.linear: linear, torch._C._nn.linear: linear, torch._grouped_mm: grouped_mm,
+    F.scaled_dot_product_attention: attention,
+    torch._C._nn.scaled_dot_product_attention: attention,
+}
+if hasattr(F, "grouped_mm"):  # torch >= 2.10
+    _ROUTES[F.grouped_mm] = grouped_mm
+
+
 class _BatchInvariantMode(TorchFunctionMode):
-    """Routes `F.linear` to `linear`; every other function runs as it would."""
+    """Routes `F.linear`, `torch._grouped_mm` (mixture-of-experts layers) and
+    `F.scaled_dot_product_attention` to the batch-invariant kernels; every other function runs
+    as it would."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear or func is torch._C._nn.linear:
-            return linear(*args, **kwargs)
-        return func(*args, **kwargs)
+        route = _ROUTES.get(func)
+        return (route or func)(*args, **(kwargs or {}))
 
 
 _state = threading.local()
@@ -99,10 +191,7 @@ def set_batch_invariant_mode(enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
-    if not cpu_extension.available():
-        raise BatchInvariantUnavailableError(
-            "batch-invariant mode needs the compiled CPU kernels (`make cpu-kernel`; a C++ "
-            "compiler; ROLLOUT_ENGINE_CPU_KERNEL not 0)")
+    _require_kernels()
     _state.depth = getattr(_state, "depth", 0) + 1
     try:
         with _BatchInvariantMode():

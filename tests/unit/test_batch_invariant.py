@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from rollout_engine.batch_invariant import (
+    attention,
+    grouped_mm,
     is_batch_invariant_mode_enabled,
     linear,
     set_batch_invariant_mode,
@@ -72,6 +74,73 @@ def test_gradients_are_right():
     bias = torch.randn(7, dtype=torch.float64, generator=generator, requires_grad=True)
     assert torch.autograd.gradcheck(linear, (x, weight, bias))
     assert torch.autograd.gradcheck(lambda a, w: linear(a, w), (x, weight))
+
+
+def test_grouped_mm_runs_each_experts_rows_through_its_weights():
+    generator = torch.Generator().manual_seed(4)
+    rows = torch.randn(10, 24, generator=generator)
+    experts = torch.randn(3, 24, 8, generator=generator)
+    offs = torch.tensor([4, 4, 9], dtype=torch.int32)  # expert 1 has no rows; row 9 none
+    out = grouped_mm(rows, experts, offs=offs)
+    expected = torch.cat([rows[:4] @ experts[0], rows[4:9] @ experts[2], torch.zeros(1, 8)])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(grouped_mm(rows[4:9], experts, offs=torch.tensor([0, 0, 5])), out[4:9])
+    with set_batch_invariant_mode():
+        assert torch.equal(torch._grouped_mm(rows, experts, offs=offs), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_is_sdpa_with_each_querys_bits_fixed_by_its_visible_keys(dtype):
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 40, 32, generator=generator).to(dtype)
+    k = torch.randn(2, 2, 40, 32, generator=generator).to(dtype)  # grouped-query: 2 per head
+    v = torch.randn(2, 2, 40, 32, generator=generator).to(dtype)
+    causal = attention(q, k, v, is_causal=True)
+    reference = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(2, 1),
+                                               v.float().repeat_interleave(2, 1), is_causal=True)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(causal.float(), reference, rtol=tolerance, atol=tolerance)
+    # The same queries with keys cut after them, or left-padded by 7, or one query alone.
+    assert torch.equal(attention(q[:, :, :25], k[:, :, :25], v[:, :, :25], is_causal=True),
+                       causal[:, :, :25])
+    pad = torch.zeros(2, 2, 7, 32, dtype=dtype)
+    visible = torch.ones(47, 47, dtype=torch.bool).tril()
+    visible[:, :7] = False
+    left = attention(torch.cat([torch.zeros(2, 4, 7, 32, dtype=dtype), q], 2),
+                     torch.cat([pad, k], 2), torch.cat([pad, v], 2), attn_mask=visible)
+    assert torch.equal(left[:, :, 7:], causal)
+    assert torch.equal(left[:, :, :7], torch.zeros_like(left[:, :, :7]))  # sees nothing
+    additive = torch.zeros(47, 47, dtype=dtype).masked_fill(~visible, float("-inf"))
+    assert torch.equal(attention(torch.cat([torch.zeros(2, 4, 7, 32, dtype=dtype), q], 2),
+                                 torch.cat([pad, k], 2), torch.cat([pad, v], 2),
+                                 attn_mask=additive), left)
+    assert torch.equal(attention(q[1:, :, 30:31], k[1:, :, :31], v[1:, :, :31]),
+                       causal[1:, :, 30:31])
+
+
+def test_attention_gradients_are_sdpas():
+    generator = torch.Generator().manual_seed(6)
+    inputs = [torch.randn(1, 2, 9, 16, generator=generator, requires_grad=True)
+              for _ in range(3)]
+    attention(*inputs, is_causal=True).square().sum().backward()
+    ours = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+    F.scaled_dot_product_attention(*inputs, is_causal=True).square().sum().backward()
+    for grad, t in zip(ours, inputs, strict=True):
+        torch.testing.assert_close(grad, t.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_refuses_what_it_cannot_keep_invariant():
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(ValueError, match="dropout"):
+        attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="0 and -inf"):
+        attention(q, q, q, attn_mask=torch.randn(4, 4))  # a bias (ALiBi-like)
+    with pytest.raises(ValueError, match="not both"):
+        attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=True)
+    with pytest.raises(RuntimeError, match="multiple of key/value heads"):
+        attention(q, torch.randn(1, 3, 4, 16), torch.randn(1, 3, 4, 16))
 
 
 def test_shapes_that_do_not_fit_are_refused():

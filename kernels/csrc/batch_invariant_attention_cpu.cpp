@@ -1,0 +1,177 @@
+// Attention whose every output is computed in one fixed order, whatever the batch, the padding,
+// the sequence's length beyond the query or how the keys were chunked.
+//
+// A query vector attends to its visible keys (causal, or as a mask says) taken in order and cut
+// into groups of 16: the i-th visible key is in group i / 16, so the groups do not depend on
+// padding, on where the sequence sits in a padded batch or on the keys after the query. For
+// each group, in order:
+//
+//   - scores s_j = dot(q, k_j) * scale, the dot product in the linear layer's order (16 FMA
+//     lanes over the head dimension, a fixed tree; batch_invariant_vec.h);
+//   - m' = max(m, max_j s_j) (a maximum is exact in any order); alpha = exp(m - m');
+//   - l = l * alpha, then l = l + exp(s_j - m') for j in order;
+//   - acc[d] = acc[d] * alpha, then acc[d] = fma(exp(s_j - m'), v_j[d], acc[d]) for j in order;
+//
+// and out[d] = acc[d] / l, rounded to the input dtype (zeros where no key is visible). All math
+// in float32; bfloat16 and float16 are widened as they are loaded. `attend` does this for one
+// query vector given its keys' and values' row pointers and is not inlined, so every caller
+// (this dense entry point; a paged one reading a KV cache) runs the same instructions.
+//
+// Dense entry point (sdpa's layout): q [B, H, Lq, D], k [B, Hk, Lk, D], v [B, Hk, Lk, Dv] with H
+// a multiple of Hk (grouped-query attention), unit stride on the last dims; mask, if given, a
+// bool tensor broadcastable to [B, H, Lq, Lk] (true = visible); else is_causal (query i sees
+// keys 0..i) or all keys. Work is split across threads by query vector.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "batch_invariant_vec.h"
+
+namespace {
+
+using batch_invariant::kLanes;
+using batch_invariant::load_group;
+using batch_invariant::Vec16;
+
+constexpr int64_t kGroup = 16;  // keys per softmax group
+
+template <typename scalar_t>
+inline float dot(const float* q, const scalar_t* k, int64_t dim) {
+  Vec16 acc = Vec16::zero();
+  for (int64_t d = 0; d < dim; d += kLanes)
+    acc = Vec16::fma(load_group<Vec16>(q + d, dim - d), load_group<Vec16>(k + d, dim - d), acc);
+  return acc.tree_sum();
+}
+
+// One query vector (widened to float32) over `count` visible keys, in the order of the header.
+// `acc` is scratch of value_dim floats.
+template <typename scalar_t>
+__attribute__((noinline)) void attend(const float* q, int64_t dim, const scalar_t* const* keys,
+                                      const scalar_t* const* values, int64_t count,
+                                      int64_t value_dim, float scale, float* acc,
+                                      scalar_t* out) {
+  if (count == 0) {
+    for (int64_t d = 0; d < value_dim; ++d) out[d] = scalar_t(0);
+    return;
+  }
+  float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+  for (int64_t d = 0; d < value_dim; ++d) acc[d] = 0.f;
+  float s[kGroup], p[kGroup];
+  for (int64_t g = 0; g < count; g += kGroup) {
+    const int64_t n = std::min(kGroup, count - g);
+    float group_max = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = dot(q, keys[g + j], dim) * scale;
+      group_max = std::max(group_max, s[j]);
+    }
+    const float m_new = std::max(m, group_max);
+    const float alpha = std::exp(m - m_new);  // 0 for the first group (m = -inf)
+    l = l * alpha;
+    for (int64_t j = 0; j < n; ++j) {
+      p[j] = std::exp(s[j] - m_new);
+      l = l + p[j];
+    }
+    for (int64_t d = 0; d < value_dim; ++d) acc[d] = acc[d] * alpha;
+    for (int64_t j = 0; j < n; ++j) {
+      const scalar_t* v = values[g + j];
+      const float pj = p[j];
+      for (int64_t d = 0; d < value_dim; ++d)
+        acc[d] = std::fma(pj, static_cast<float>(v[d]), acc[d]);
+    }
+    m = m_new;
+  }
+  for (int64_t d = 0; d < value_dim; ++d) out[d] = static_cast<scalar_t>(acc[d] / l);
+}
+
+template <typename scalar_t>
+void dense_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor* mask, bool is_causal, float scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
+  const int64_t Hk = k.size(1), Lk = k.size(2), Dv = v.size(3);
+  const int64_t per_kv = H / Hk;
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k.data_ptr<scalar_t>();
+  const scalar_t* vp = v.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const bool* mp = mask ? mask->data_ptr<bool>() : nullptr;
+  at::parallel_for(0, B * H * Lq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<const scalar_t*> keys, values;
+    std::vector<float> qf(D), acc(Dv);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (H * Lq), h = (item / Lq) % H, i = item % Lq;
+      const int64_t hk = h / per_kv;
+      const scalar_t* qrow = qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+      for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(qrow[d]);
+      const scalar_t* kbase = kp + b * k.stride(0) + hk * k.stride(1);
+      const scalar_t* vbase = vp + b * v.stride(0) + hk * v.stride(1);
+      const bool* mrow = mp ? mp + b * mask->stride(0) + h * mask->stride(1) +
+                                  i * mask->stride(2)
+                            : nullptr;
+      keys.clear();
+      values.clear();
+      const int64_t last = mrow == nullptr && is_causal ? std::min(i + 1, Lk) : Lk;
+      for (int64_t j = 0; j < last; ++j) {
+        if (mrow != nullptr && !mrow[j * mask->stride(3)]) continue;
+        keys.push_back(kbase + j * k.stride(2));
+        values.push_back(vbase + j * v.stride(2));
+      }
+      scalar_t* orow = op + ((b * H + h) * Lq + i) * Dv;
+      attend<scalar_t>(qf.data(), D, keys.data(), values.data(),
+                       static_cast<int64_t>(keys.size()), Dv, scale, acc.data(), orow);
+    }
+  });
+}
+
+at::Tensor batch_invariant_attention(const at::Tensor& query, const at::Tensor& key,
+                                     const at::Tensor& value,
+                                     const std::optional<at::Tensor>& mask, bool is_causal,
+                                     double scale) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4,
+              "batch_invariant_attention: q, k, v must be [B, H, L, D]");
+  TORCH_CHECK(key.size(0) == query.size(0) && value.size(0) == query.size(0),
+              "batch_invariant_attention: batch sizes differ");
+  TORCH_CHECK(key.size(1) == value.size(1) && query.size(1) % key.size(1) == 0,
+              "batch_invariant_attention: query heads must be a multiple of key/value heads");
+  TORCH_CHECK(key.size(2) == value.size(2) && key.size(3) == query.size(3),
+              "batch_invariant_attention: key and value lengths, or q and k head dims, differ");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() &&
+                  query.scalar_type() == value.scalar_type(),
+              "batch_invariant_attention: q, k, v dtypes differ");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "batch_invariant_attention: float32, bfloat16 or float16, got ", dtype);
+  auto unit_last = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
+  const at::Tensor q = unit_last(query), k = unit_last(key), v = unit_last(value);
+  at::Tensor m;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool,
+                "batch_invariant_attention: the mask must be bool (true = visible)");
+    m = mask->expand({q.size(0), q.size(1), q.size(2), k.size(2)});
+  }
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  const float s = static_cast<float>(scale);
+  const at::Tensor* mp = m.defined() ? &m : nullptr;
+  if (dtype == at::kFloat) dense_kernel<float>(q, k, v, mp, is_causal, s, out);
+  else if (dtype == at::kBFloat16) dense_kernel<at::BFloat16>(q, k, v, mp, is_causal, s, out);
+  else dense_kernel<at::Half>(q, k, v, mp, is_causal, s, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(rollout_cpu, m) {
+  m.def(
+      "batch_invariant_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, "
+      "bool is_causal, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) {
+  m.impl("batch_invariant_attention", &batch_invariant_attention);
+}
