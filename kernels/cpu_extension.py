@@ -128,6 +128,17 @@ def batch_invariant_attention(query: torch.Tensor, key: torch.Tensor, value: tor
                                                            bool(is_causal), float(scale))
 
 
+def batch_invariant_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                                    value_cache: torch.Tensor, block_tables: torch.Tensor,
+                                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                                    scale: float, sliding_window: int = 0) -> torch.Tensor:
+    """Causal attention of a step's tokens ([T, H, D]) over the paged caches with each token's
+    bits those the dense batch-invariant attention gives it in a full-sequence forward."""
+    return torch.ops.rollout_cpu.batch_invariant_paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale),
+        int(sliding_window))
+
+
 def main() -> None:
     """`make cpu-kernel`: build ahead of the tests and servers, and say whether it worked."""
     logging.basicConfig(level=logging.INFO)

@@ -1,10 +1,12 @@
 """Chooses the kernel for a tensor's device: Triton on CUDA, the batched torch path on the CPU,
-the torch reference anywhere else (or on CUDA when Triton is switched off)."""
+the torch reference anywhere else (or on CUDA when Triton is switched off); the batch-invariant
+kernel, in any case, in a thread inside `batch_invariant_attention()`."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -49,6 +51,33 @@ def store_kv_cache(
     return store(key, value, key_cache, value_cache, slot_mapping)
 
 
+_invariant = threading.local()
+
+
+@contextlib.contextmanager
+def batch_invariant_attention() -> Iterator[None]:
+    """In this thread, `paged_attention` runs the batch-invariant kernel (each token's bits
+    fixed by its own keys; `rollout_engine.batch_invariant`)."""
+    _invariant.depth = getattr(_invariant, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _invariant.depth -= 1
+
+
+def _paged_attention_batch_invariant(query, key_cache, value_cache, metadata, scale,
+                                     sliding_window, softcap, sinks) -> torch.Tensor:
+    from kernels import cpu_extension
+
+    if query.device.type != "cpu" or not cpu_extension.available():
+        raise RuntimeError("batch-invariant attention runs on the CPU with the compiled kernels")
+    if softcap or sinks is not None:
+        raise NotImplementedError("batch-invariant attention has no softcap or sinks yet")
+    return cpu_extension.batch_invariant_paged_attention(
+        query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+        metadata.query_start_loc, scale, sliding_window or 0)
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -67,6 +96,9 @@ def paged_attention(
     own key and the W - 1 before it only (None sees everything before it); `softcap` c (Gemma
     2), scores s become c * tanh(s / c) before the mask (None or 0: none); `sinks` ([num_heads],
     gpt-oss), one more logit per head in the softmax, with a zero value."""
+    if getattr(_invariant, "depth", 0):
+        return _paged_attention_batch_invariant(query, key_cache, value_cache, metadata, scale,
+                                                sliding_window, softcap, sinks)
     backend = attention_backend(query.device, _use_triton(query))
     if backend == "triton":
         from kernels.triton_paged_attention import paged_attention_triton

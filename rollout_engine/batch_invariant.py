@@ -12,14 +12,16 @@ its place in the batch or on the number of threads.
 manager: inside it, in this thread, `torch.nn.functional.linear` (every `nn.Linear`, the LM head
 included, and the experts of a mixture-of-experts layer through `torch._grouped_mm`) runs the
 batch-invariant linear layer and `F.scaled_dot_product_attention` (a Hugging
-Face model's "sdpa" attention) the batch-invariant attention, each with a backward pass of plain
-torch ops (gradients need not be invariant, only correct).
+Face model's "sdpa" attention) and the engine's paged attention the batch-invariant attention,
+each with a backward pass of plain torch ops (gradients need not be invariant, only correct). The
+engine runs its steps in it with `LLM(..., batch_invariant=True)`: a token's logprob is then the
+same whatever else the step holds, and equal to the trainer's forward in the mode.
 
     with set_batch_invariant_mode():
         logits = model(input_ids, attention_mask=mask).logits
 
 What is covered so far: linear layers (float32, bfloat16, float16, float64) and sdpa attention
-(float32, bfloat16, float16) on the CPU, in the trainer's forward; not yet the engine.
+(float32, bfloat16, float16) on the CPU; the engine with the transformers backend.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from kernels import cpu_extension
+from kernels.dispatch import batch_invariant_attention
 
 
 class BatchInvariantUnavailableError(RuntimeError):
@@ -194,7 +197,7 @@ def set_batch_invariant_mode(enabled: bool = True) -> Iterator[None]:
     _require_kernels()
     _state.depth = getattr(_state, "depth", 0) + 1
     try:
-        with _BatchInvariantMode():
+        with _BatchInvariantMode(), batch_invariant_attention():
             yield
     finally:
         _state.depth -= 1

@@ -283,6 +283,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--model-impl", choices=["auto", "native", "transformers"],
                         help="modeling code: our native decoder, Hugging Face's transformers "
                         "with our paged attention, or auto (native where it exists; default)")
+    engine.add_argument("--batch-invariant", action="store_true", default=None,
+                        help="CPU: kernels whose bits do not depend on the batch, so logprobs "
+                        "equal a trainer's under rollout_engine.batch_invariant (default: off)")
     engine.add_argument("--cuda-graphs", action="store_true", default=None,
                         help="replay decode steps from CUDA graphs (default: off)")
     engine.add_argument("--kv-cache-bytes", type=_parse_bytes,
@@ -337,7 +340,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 _SERVE_ENGINE_OPTIONS = (
     "dtype", "device", "seed", "cpu_threads", "cpu_packed_weights", "model_impl", "cuda_graphs",
-    "kv_cache_bytes", "num_blocks", "block_size", "max_kv_keep_alive_s",
+    "batch_invariant", "kv_cache_bytes", "num_blocks", "block_size", "max_kv_keep_alive_s",
     "gpu_memory_utilization",
     "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_speculative_tokens",
     "async_scheduling", "kv_role", "kv_peer", "kv_transport", "kv_transfer_timeout_s",

@@ -52,6 +52,11 @@ class ModelConfig:
     "transformers" (Hugging Face's modeling code with our paged attention plugged in, for
     any decoder-only `*ForCausalLM` whose attention goes through transformers'
     `AttentionInterface`), or "auto" (native where it exists, else transformers)."""
+    batch_invariant: bool = False
+    """Every step in `rollout_engine.batch_invariant`'s mode: linear layers and attention whose
+    bits do not depend on the batch, the chunking or the prefix cache, so a token's logprob
+    equals what a trainer computes under `set_batch_invariant_mode()`. CPU only; turns the
+    packed oneDNN weights off (their GEMMs reduce by shape)."""
     cuda_graphs: bool = False
     """Replay plain decode steps from CUDA graphs, one per batch-size bucket (vLLM's
     default; its `enforce_eager` turns them off). Off by default until a GPU run has shown
@@ -66,6 +71,10 @@ class ModelConfig:
         _require(
             self.model_impl in MODEL_IMPLS,
             f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}",
+        )
+        _require(
+            not self.batch_invariant or (self.device == "cpu" and not self.cuda_graphs),
+            "batch_invariant runs on the CPU (without CUDA graphs) so far",
         )
         _require(
             self.cpu_threads is None or self.cpu_threads >= 1,

@@ -164,14 +164,114 @@ at::Tensor batch_invariant_attention(const at::Tensor& query, const at::Tensor& 
   return out;
 }
 
+template <typename scalar_t>
+void paged_kernel(const at::Tensor& q, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, float scale,
+                  int64_t sliding_window, at::Tensor& out) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t block_size = key_cache.size(1), Hk = key_cache.size(2);
+  const int64_t Dv = value_cache.size(3), per_kv = H / Hk;
+  const int64_t R = seq_lens.size(0);
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  std::vector<int64_t> request_of(T, -1);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t t = starts[r]; t < starts[r + 1]; ++t) request_of[t] = r;
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = key_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = value_cache.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  at::parallel_for(0, T * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<const scalar_t*> keys, values;
+    std::vector<float> qf(D), acc(Dv);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / H, h = item % H, hk = h / per_kv;
+      scalar_t* orow = op + (t * H + h) * Dv;
+      const int64_t r = request_of[t];
+      if (r < 0) {  // a padding row of the step: attends to nothing
+        for (int64_t d = 0; d < Dv; ++d) orow[d] = scalar_t(0);
+        continue;
+      }
+      const int64_t q_len = starts[r + 1] - starts[r];
+      const int64_t position = lens[r] - q_len + (t - starts[r]);
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, position - sliding_window + 1)
+                                               : 0;
+      const scalar_t* qrow = qp + t * q.stride(0) + h * q.stride(1);
+      for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(qrow[d]);
+      keys.clear();
+      values.clear();
+      for (int64_t j = first; j <= position; ++j) {
+        const int64_t block = tables[r * table_stride + j / block_size], slot = j % block_size;
+        keys.push_back(kp + block * key_cache.stride(0) + slot * key_cache.stride(1) +
+                       hk * key_cache.stride(2));
+        values.push_back(vp + block * value_cache.stride(0) + slot * value_cache.stride(1) +
+                         hk * value_cache.stride(2));
+      }
+      attend<scalar_t>(qf.data(), D, keys.data(), values.data(),
+                       static_cast<int64_t>(keys.size()), Dv, scale, acc.data(), orow);
+    }
+  });
+}
+
+// Causal attention of a step's tokens over a paged KV cache, each token attending to keys 0..p
+// of its request (p its position; the last W with a sliding window W > 0) through `attend`:
+// the same bits as the dense entry point gives that token in a full-sequence forward. query
+// [T, H, D]; caches the logical [num_blocks, block_size, Hk, D or Dv] views (unit stride on the
+// last dim); block_tables [R, max_blocks], seq_lens [R] and query_start_loc [R + 1] int32.
+at::Tensor batch_invariant_paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                                           const at::Tensor& value_cache,
+                                           const at::Tensor& block_tables,
+                                           const at::Tensor& seq_lens,
+                                           const at::Tensor& query_start_loc, double scale,
+                                           int64_t sliding_window) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4,
+              "batch_invariant_paged_attention: query [T, H, D], caches [blocks, size, Hk, D]");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0 && key_cache.size(3) == query.size(2),
+              "batch_invariant_paged_attention: heads or head dims do not fit the cache");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
+                  query.scalar_type() == value_cache.scalar_type(),
+              "batch_invariant_paged_attention: query and cache dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "batch_invariant_paged_attention: block_tables, seq_lens, query_start_loc int32");
+  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1 && query.stride(2) == 1,
+              "batch_invariant_paged_attention: unit stride on the head dim");
+  const auto dtype = query.scalar_type();
+  at::Tensor out = at::empty({query.size(0), query.size(1), value_cache.size(3)},
+                             query.options());
+  const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous(),
+                   starts = query_start_loc.contiguous();
+  const float s = static_cast<float>(scale);
+  if (dtype == at::kFloat)
+    paged_kernel<float>(query, key_cache, value_cache, tables, lens, starts, s, sliding_window,
+                        out);
+  else if (dtype == at::kBFloat16)
+    paged_kernel<at::BFloat16>(query, key_cache, value_cache, tables, lens, starts, s,
+                               sliding_window, out);
+  else if (dtype == at::kHalf)
+    paged_kernel<at::Half>(query, key_cache, value_cache, tables, lens, starts, s,
+                           sliding_window, out);
+  else
+    TORCH_CHECK(false, "batch_invariant_paged_attention: float32, bfloat16 or float16");
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(rollout_cpu, m) {
   m.def(
       "batch_invariant_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, "
       "bool is_causal, float scale) -> Tensor");
+  m.def(
+      "batch_invariant_paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
+      "int sliding_window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) {
   m.impl("batch_invariant_attention", &batch_invariant_attention);
+  m.impl("batch_invariant_paged_attention", &batch_invariant_paged_attention);
 }

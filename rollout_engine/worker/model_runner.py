@@ -10,6 +10,7 @@ import torch
 
 from kernels import cpu_extension
 from kernels.dispatch import attention_backend
+from rollout_engine.batch_invariant import set_batch_invariant_mode
 from rollout_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from rollout_engine.protocol import StepFailedError
 from rollout_engine.worker.cuda_graphs import DecodeGraphs
@@ -54,8 +55,11 @@ class ModelRunner:
         decode_graphs: DecodeGraphs | None = None,
         is_driver: bool = True,
         packed_weights: PackedCopies | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant
+        """Steps run in `set_batch_invariant_mode()` (`ModelConfig.batch_invariant`)."""
         self.packed_weights = packed_weights
         """CPU: the linears' oneDNN copies, packed again before a forward when dropped."""
         self.is_driver = is_driver
@@ -123,8 +127,12 @@ class ModelRunner:
         Under async scheduling this runs while the next step is prepared on another thread
         (on a GPU, this one is the engine's forward thread; on the CPU, the caller's). A step
         with placeholders reads the tokens of the step prepared just before it, which must
-        have run and succeeded.
+        have run and succeeded. With `batch_invariant`, all of it in that mode.
         """
+        with set_batch_invariant_mode(self.batch_invariant):
+            return self._run(prepared)
+
+    def _run(self, prepared: PreparedStep) -> ModelRunnerOutput:
         step = prepared.inputs
         tokens_of_previous_step = self._last_sampled if self._num_run == prepared.index - 1 else None
         self._num_run, self._last_sampled = prepared.index, None

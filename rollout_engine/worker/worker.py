@@ -59,7 +59,8 @@ class Worker:
             model_config.model, self.dtype, self.device, max_model_len,
             self.memory.create_weights_pool, self.tp,
         )
-        self._init_packed_weights(model, model_config.cpu_packed_weights)
+        self._init_packed_weights(
+            model, model_config.cpu_packed_weights and not model_config.batch_invariant)
         self.weights = WeightUpdater(model, self.memory, event_log,
                                      self._after_weight_update(on_weight_update))
         kv_caches = self._init_kv_cache(config, model, hf_config, weights_bytes)
@@ -120,6 +121,7 @@ class Worker:
         self.model_runner = ModelRunner(
             model, kv_caches, block_size, model_config.seed, decode_graphs,
             is_driver=self.tp.is_driver, packed_weights=self.packed_weights,
+            batch_invariant=model_config.batch_invariant,
         )
 
     def set_eos_token_ids(self, eos_token_ids: Sequence[int]) -> None:
