@@ -201,3 +201,12 @@ def set_batch_invariant_mode(enabled: bool = True) -> Iterator[None]:
             yield
     finally:
         _state.depth -= 1
+
+
+def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager,
+                                   contextlib.AbstractContextManager]:
+    """`context_fn` for `torch.utils.checkpoint` (non-reentrant): the recompute in the backward
+    runs in the mode its forward ran in (the backward runs outside the mode's `with` block, and
+    recomputing with other kernels would save other tensors). Pass it as
+    `gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts}`."""
+    return contextlib.nullcontext(), set_batch_invariant_mode(is_batch_invariant_mode_enabled())

@@ -50,6 +50,7 @@ from rollout_engine.protocol import (
 )
 from trainer_bridge.client import EngineClient
 from trainer_bridge.colocate import Colocation, StreamedWeights
+from trainer_bridge.invariant_logps import check_batch_invariance, per_token_logps_and_entropies
 from trainer_bridge.trainer_weights import is_sharded, iter_policy_weights
 
 if TYPE_CHECKING:
@@ -419,18 +420,39 @@ class EngineGRPOTrainer(GRPOTrainer):
         transport: str = "auto",
         auth_token: str | None = None,
         weight_dtype: torch.dtype | Literal["engine"] | None = None,
+        batch_invariant: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.batch_invariant = batch_invariant
+        """TRL's logprob and loss forwards in batch-invariant mode (`invariant_logps.py`):
+        needs, and is needed by, an engine serving with --batch-invariant."""
         self.engine_generation = attach_engine(
             self, engine, sleep_level=sleep_level, timeline=timeline,
             generate_timeout_s=generate_timeout_s, transport=transport, auth_token=auth_token,
             weight_dtype=weight_dtype,
         )
+        check_batch_invariance(batch_invariant, self.engine_generation.colocation.client,
+                               self.args)
 
     def attach_engine(self, engine: EngineClient | str, auth_token: str | None = None) -> None:
         """Switch to another engine (e.g. a restarted one); it gets the weights first."""
         attach_engine(self, engine, auth_token=auth_token)
+        check_batch_invariance(self.batch_invariant, self.engine_generation.colocation.client,
+                               self.args)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           batch_size=None, compute_entropy=False,
+                                           compute_aux_loss=False, **multimodal):
+        if not self.batch_invariant:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                compute_aux_loss, **multimodal)
+        if any(value is not None for value in multimodal.values()):
+            raise ValueError("batch-invariant logprobs are for text-only models")
+        return per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                             self.temperature, batch_size, compute_entropy,
+                                             compute_aux_loss)
 
     def sync_engine_weights(self) -> int:
         """Push the current weights now (e.g. after training, to serve the final policy);
