@@ -20,8 +20,10 @@ obey it (digit tokens, or tokens of a fixed list of words). A policy that ignore
 earns at most 0.5; a random model starts near 0.05 and reaches 1.0 within 100 steps (about
 45 s on two CPU cores), answering digits to one instruction and words to the other. TRL's
 importance-sampling metrics (the engine's sampling logprobs against the trainer's) are
-printed and plotted: with the trainer and the engine on the same weights and precision the
-ratio stays at 1. The engine's weight and KV pools are plotted as `memory_state()` reports
+printed and plotted. Both sides run batch-invariant kernels (on the CPU, by default: the
+engine serves with --batch-invariant, the trainer passes `batch_invariant=True`), so the
+engine's logprob of every sampled token is the trainer's, bit for bit: the ratio is exactly 1
+and the difference exactly 0 at every step (`--no-batch-invariant`: only close). The engine's weight and KV pools are plotted as `memory_state()` reports
 them, leaving at every sleep and coming back at every wake.
 
     python examples/ppo_colocate.py                          # tiny model, engine started here
@@ -59,6 +61,7 @@ from transformers.utils import logging as transformers_logging
 from trl import GRPOConfig
 
 from trainer_bridge import EngineClient, SamplingParams
+from trainer_bridge.invariant_logps import engine_runs_batch_invariant
 from trainer_bridge.server_process import EngineServer
 from trainer_bridge.timeline import (
     STEP_PHASES,
@@ -94,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="engine sleep level while training; 0 never sleeps")
     parser.add_argument("--kv-cache-mib", type=int, default=256, help="KV pool of a started engine")
     parser.add_argument("--hz", type=float, default=50.0, help="memory samples per second")
+    parser.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                        help="plain kernels on both sides: the logprobs are then only close "
+                        "(default on the CPU: batch-invariant; an --engine's own mode is used)")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads of the trainer and of a started engine: they share the "
                         "cores, and for a small model one thread each avoids OpenMP stalls")
@@ -146,11 +152,13 @@ def connect_engine(args, state: PartialState, model_dir: Path) -> tuple[EngineCl
     else:
         server = EngineServer(model_dir, engine_options={
             "kv_cache_bytes": f"{args.kv_cache_mib}MiB", "seed": args.seed + state.process_index,
+            "batch_invariant": args.batch_invariant,
         }, log_path=Path(args.out) / f"engine-rank{state.process_index}.log",
             env={"OMP_NUM_THREADS": str(args.threads)})
         address, pid = server.address, server.pid
     client = EngineClient(address, timeout=300)
     client.wait_until_ready(60)
+    args.batch_invariant = engine_runs_batch_invariant(client)  # the trainer follows the engine
     return client, server, pid
 
 
@@ -200,6 +208,7 @@ def build_trainer(args, model_dir: Path, client: EngineClient, timeline, progres
         model=model, reward_funcs=make_reward(tokenizer), args=config,
         train_dataset=make_dataset(64 * args.steps, args.seed), processing_class=tokenizer,
         engine=client, sleep_level=args.sleep_level or None, timeline=timeline,
+        batch_invariant=args.batch_invariant,
     )
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
@@ -240,7 +249,9 @@ def write_outputs(out: Path, progress: RewardProgress, timeline: MemoryTimeline,
     for key in ("min", "mean", "max"):
         middle.plot(steps, metrics[f"sampling/importance_sampling_ratio/{key}"], marker=".",
                     label=f"IS ratio {key}")
-    middle.set(ylabel="engine vs trainer\nimportance-sampling ratio")
+    exact = all(v == 0.0 for v in metrics["sampling/sampling_logp_difference/max"])
+    middle.set(ylabel="engine vs trainer\nimportance-sampling ratio",
+               title="batch-invariant: exactly 1 at every step" if exact else None)
     middle.legend(loc="upper left", fontsize=8)
     bottom.plot(steps, metrics["sampling/sampling_logp_difference/max"], marker=".",
                 label="max |logp trainer - logp engine|")
@@ -276,6 +287,11 @@ def print_summary(progress: RewardProgress, timeline: MemoryTimeline, out: Path,
           f"{max(metrics['sampling/importance_sampling_ratio/max']):.6f}; "
           f"max |logp difference| {max(metrics['sampling/sampling_logp_difference/max']):.2e}; "
           f"PPO clip ratio (mean) {finite_mean(metrics['clip_ratio/region_mean']):.4f}")
+    exact = all(v == 0.0 for v in metrics["sampling/sampling_logp_difference/max"]) and all(
+        v == 1.0 for key in ("min", "max")
+        for v in metrics[f"sampling/importance_sampling_ratio/{key}"])
+    print("engine logprobs equal to the trainer's, bit for bit, at every step (IS ratio exactly "
+          f"1, difference exactly 0): {'yes' if exact else 'no'}")
     summary = timeline.summary()
     split = ", ".join(f"{name} {summary['phases'][name]['median_duration_s'] * 1e3:.0f} ms"
                       for name in STEP_PHASES if name in summary["phases"])
@@ -298,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     transformers_logging.disable_progress_bar()
     if not torch.cuda.is_available():
         torch.set_num_threads(args.threads)
+    else:
+        args.batch_invariant = False  # the batch-invariant kernels are CPU-only so far
     state = PartialState(cpu=not torch.cuda.is_available())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """`examples/ppo_colocate.py` (its defaults, 40 of its 100 steps): the reward rises past
-what a prompt-blind policy can earn, the plots are written."""
+what a prompt-blind policy can earn, the engine's logprobs are the trainer's bit for bit
+(batch-invariant on both sides), the plots are written."""
 
 from __future__ import annotations
 
@@ -27,10 +28,14 @@ def test_example_reward_rises_and_plots_are_written(tmp_path):
     first, last = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
     # Above 0.5 only a policy that reads its prompt's instruction can go.
     assert first < 0.3 and last > 0.8, rewards
-    # The engine's sampling logprobs are the trainer's own: TRL's IS ratio stays at 1.
-    assert max(metrics["sampling/sampling_logp_difference/max"]) < 1e-3
-    assert min(metrics["sampling/importance_sampling_ratio/min"]) > 0.999
+    # Batch-invariant on both sides: the engine's sampling logprobs are the trainer's, bit for
+    # bit, at every step.
+    assert set(metrics["sampling/sampling_logp_difference/max"]) == {0.0}
+    for key in ("min", "mean", "max"):
+        assert set(metrics[f"sampling/importance_sampling_ratio/{key}"]) == {1.0}
     assert "importance-sampling ratio" in result.stdout
+    assert "bit for bit, at every step (IS ratio exactly 1, difference exactly 0): yes" in (
+        result.stdout)
     for name in ("reward_curve.png", "memory_timeline.png"):
         assert (tmp_path / name).stat().st_size > 10_000
         assert f"wrote {tmp_path / name}" in result.stdout
