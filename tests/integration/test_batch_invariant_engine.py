@@ -117,9 +117,9 @@ def test_a_prefix_hit_and_a_batch_of_64_change_nothing(model_dirs):
 
 
 @pytest.mark.parametrize(("family", "dtype", "model_impl"), [
-    ("qwen3", "bfloat16", "native"),
+    pytest.param("qwen3", "bfloat16", "native", marks=pytest.mark.slow),
     ("qwen3", "float32", "transformers"),
-    ("qwen3_moe", "bfloat16", "transformers"),
+    pytest.param("qwen3_moe", "bfloat16", "transformers", marks=pytest.mark.slow),
 ])
 def test_other_models_dtypes_and_backends(model_dirs, family, dtype, model_impl):
     _, outputs = run(model_dirs[family], dtype, model_impl, max_num_batched_tokens=16)

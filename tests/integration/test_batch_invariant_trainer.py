@@ -74,8 +74,14 @@ def sequences_for(model) -> list[torch.Tensor]:
             for n in LENGTHS]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize(("family", "dtype"), [
+    ("llama", torch.float32),
+    ("qwen3_moe", torch.bfloat16),
+    pytest.param("llama", torch.bfloat16, marks=pytest.mark.slow),
+    pytest.param("qwen3", torch.float32, marks=pytest.mark.slow),
+    pytest.param("qwen3", torch.bfloat16, marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", torch.float32, marks=pytest.mark.slow),
+])
 def test_a_sequence_has_the_same_bits_in_any_batch_padding_and_thread_count(
         model_dirs, family, dtype):
     model = AutoModelForCausalLM.from_pretrained(model_dirs[family], dtype=dtype,
