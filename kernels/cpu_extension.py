@@ -57,11 +57,12 @@ def _load() -> bool:
         from torch.utils import cpp_extension
 
         cpp_extension.load(
-            name=_NAME,
+            # One build directory per version of the sources and headers: torch keeps one
+            # directory per name and rebuilds in place when the sources change, so two checkouts
+            # (or a test run beside an edit) would overwrite each other's library.
+            name=f"{_NAME}_{_digest()}",
             sources=[str(source) for source in SOURCES],
-            # torch keys its cache on the sources and flags: the headers' digest is a flag, so an
-            # edited header gets a build of its own.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DROLLOUT_HEADERS={_digest()}"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
             # at::parallel_for is OpenMP inlined from the headers: link the libgomp torch loaded.
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
@@ -74,7 +75,7 @@ def _load() -> bool:
 
 
 def _digest() -> str:
-    return hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))).hexdigest()[:12]
 
 
 def paged_attention_short(
