@@ -9,19 +9,24 @@ kernels here compute every output in one order fixed by the model's shapes alone
 its place in the batch or on the number of threads.
 
 `set_batch_invariant_mode()` (the name of Thinking Machines' `batch_invariant_ops`) is a context
-manager: inside it, in this thread, `torch.nn.functional.linear` (every `nn.Linear`, the LM head
-included, and the experts of a mixture-of-experts layer through `torch._grouped_mm`) runs the
-batch-invariant linear layer and `F.scaled_dot_product_attention` (a Hugging
-Face model's "sdpa" attention) and the engine's paged attention the batch-invariant attention,
-each with a backward pass of plain torch ops (gradients need not be invariant, only correct). The
-engine runs its steps in it with `LLM(..., batch_invariant=True)`: a token's logprob is then the
-same whatever else the step holds, and equal to the trainer's forward in the mode.
+manager. Inside it, in this thread:
+
+- `torch.nn.functional.linear` (every `nn.Linear`, the LM head included) and `torch._grouped_mm`
+  (the experts of a mixture-of-experts layer) run the batch-invariant linear layer;
+- `F.scaled_dot_product_attention` (a Hugging Face model's "sdpa" attention) and the engine's
+  paged attention run the batch-invariant attention (`batch_invariant_attention_cpu.cpp`);
+
+each with a backward pass of plain torch ops (gradients need not be invariant, only correct).
+The engine runs its steps in it with `LLM(..., batch_invariant=True)`: a token's logprob is then
+the same whatever else the step holds, and equal to a trainer's forward in the mode with the
+positions the engine uses (counted from each sequence's first token):
 
     with set_batch_invariant_mode():
-        logits = model(input_ids, attention_mask=mask).logits
+        logits = model(input_ids, attention_mask=mask, position_ids=positions).logits
 
-What is covered so far: linear layers (float32, bfloat16, float16, float64) and sdpa attention
-(float32, bfloat16, float16) on the CPU; the engine with the transformers backend.
+Covered: linear layers (float32, bfloat16, float16, float64) and attention (float32, bfloat16,
+float16) on the CPU; the native decoder and the transformers backend. Not yet: CUDA, attention
+softcap and sinks.
 """
 
 from __future__ import annotations
