@@ -2,8 +2,8 @@
 token's logprob equals, bit for bit, what a Hugging Face forward of prompt + completion computes
 under `set_batch_invariant_mode()` (the trainer's side), however the engine got there: batched
 with others, in prefill chunks of 16 or 64, from the prefix cache, after preemption, verified
-from n-gram drafts, under async scheduling. The oracle is `==`; without the mode the same
-comparison fails (the control)."""
+from n-gram drafts, under async scheduling; under tensor parallelism a request alone equals it
+in a batch. The oracle is `==`; without the mode the same comparisons fail (the controls)."""
 
 from __future__ import annotations
 
@@ -124,6 +124,24 @@ def test_a_prefix_hit_and_a_batch_of_64_change_nothing(model_dirs):
 def test_other_models_dtypes_and_backends(model_dirs, family, dtype, model_impl):
     _, outputs = run(model_dirs[family], dtype, model_impl, max_num_batched_tokens=16)
     assert samples_that_differ(model_dirs[family], getattr(torch, dtype), outputs) == 0
+
+
+@pytest.mark.slow  # about 25 s: two ranks on two cores, one thread each
+def test_under_tensor_parallelism_a_request_alone_equals_it_in_a_batch(model_dirs):
+    """TP = 2 (two processes): each rank's partial dot products are invariant and their sum is
+    taken in one order, so a request's logprobs are the same alone and among others (though
+    not TP = 1's: the sum over ranks is another order)."""
+    llm = LLM(model_dirs["llama"], batch_invariant=True, tensor_parallel_size=2, cpu_threads=1,
+              kv_cache_bytes=4 << 20)
+    try:
+        alone = llm.generate(PROMPTS[:1], PARAMS)[0]
+        crowd = [[7 + i % 400, 9, 11 + i] for i in range(31)]
+        batched = llm.generate(PROMPTS[:1] + crowd, [PARAMS] + [SamplingParams(
+            temperature=1.0, max_tokens=20, ignore_eos=True)] * 31)[0]
+    finally:
+        llm.shutdown()
+    for a, b in zip(alone.outputs, batched.outputs, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
 def test_without_the_mode_the_logprobs_are_only_close(model_dirs):
