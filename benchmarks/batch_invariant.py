@@ -3,7 +3,8 @@
 Three parts, each side by side with the default path in the same run (`--skip` any):
 
 - linear: for each weight shape of the `small` preset (q/k/v, o, gate/up, down, LM head) and
-  1 / 16 / 64 / 256 rows, one batch-invariant linear layer against torch's (MKL / oneDNN): time,
+  1 / 16 / 64 / 256 rows, one batch-invariant linear layer (its packed weight reused, as in the
+  engine) against torch's (MKL / oneDNN): time,
   GFLOP/s, and how many rows change their bits when computed alone instead of in the batch.
 - engine: a GRPO rollout (`--num-prompts` x `--n`, `--max-tokens` new) with
   `LLM(..., batch_invariant=True)` against the default engine, fp32 and bf16; then a long
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import add_grpo_workload_args, add_model_args, make_prompts
 from rollout_engine import LLM, SamplingParams
-from rollout_engine.batch_invariant import linear
+from rollout_engine.batch_invariant import linear, set_batch_invariant_mode
 from rollout_engine.tiny_model import build_tiny_model
 
 # (name, N, K) of the `small` preset (hidden 512, intermediate 1536, vocab 2048).
@@ -65,7 +66,10 @@ def bench_linear(args: argparse.Namespace) -> None:
             for m in ROWS:
                 x = torch.randn(m, k).to(dtype)
                 plain = seconds_per_call(lambda: F.linear(x, weight), args.repeats)  # noqa: B023
-                ours = seconds_per_call(lambda: linear(x, weight), args.repeats)  # noqa: B023
+                # The weight packed once and reused, as the engine runs it (a trainer packs at
+                # every call: a copy of the weight, small against its GEMMs of thousands of rows).
+                with set_batch_invariant_mode(reuse_packed_weights=True):
+                    ours = seconds_per_call(lambda: linear(x, weight), args.repeats)  # noqa: B023
                 flops = 2 * m * n * k
                 totals.setdefault(dtype_name, [0.0, 0.0])
                 totals[dtype_name][0] += plain

@@ -119,6 +119,19 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor,
     return torch.ops.rollout_cpu.batch_invariant_linear(x, weight, bias)
 
 
+def batch_invariant_pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] (any strides) in the batch-invariant linear's layout: panels of 16 output
+    columns, [ceil(N / 16), K, 16], zeros past N (a copy)."""
+    return torch.ops.rollout_cpu.batch_invariant_pack(weight)
+
+
+def batch_invariant_linear_packed(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`batch_invariant_linear` on a weight packed by `batch_invariant_pack` (the same bits)."""
+    return torch.ops.rollout_cpu.batch_invariant_linear_packed(x, packed, int(out_features),
+                                                               bias)
+
+
 def batch_invariant_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               mask: torch.Tensor | None, is_causal: bool,
                               scale: float) -> torch.Tensor:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -61,7 +62,11 @@ class _Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         rows = x.reshape(-1, x.shape[-1])
-        out = cpu_extension.batch_invariant_linear(rows, weight, bias)
+        if getattr(_state, "reuse_packed", False):
+            packed = _PACKED.get(weight)
+        else:
+            packed = cpu_extension.batch_invariant_pack(weight.detach())
+        out = cpu_extension.batch_invariant_linear_packed(rows, packed, weight.shape[0], bias)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -76,6 +81,76 @@ class _Linear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_rows.sum(0)
         return grad_x, grad_w, grad_b
+
+
+class _PackedWeights:
+    """The linear kernel's copies of the weights it has run, in its layout (panels of 16 output
+    columns, `kernels.cpu_extension.batch_invariant_pack`), for callers that own their weights'
+    changes (`set_batch_invariant_mode(reuse_packed_weights=True)`: the engine). A copy is
+    packed at a weight's first call, reused while the weight is unchanged, packed again when
+    torch saw it change (its version counter, its address), forgotten when the weight is
+    collected or on `drop()`. Writes torch does not see (through `.data`, to inference tensors)
+    are the owner's to announce with `drop_packed_weights()`: the engine drops the copies at
+    every weight update and sleep. A copy costs as much memory as its weight.
+
+    Without reuse (a trainer, whose optimizer and weight syncs write where they like) every
+    call packs its weight afresh: a copy of N x K against the call's M x N x K multiply-adds."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owners: dict[int, tuple[weakref.ref, dict[tuple, tuple]]] = {}
+        """id(owner) -> (weak reference to it, {layout: (address, version, packed copy)}): the
+        owner is the weight, or the tensor it views (an expert's slice of a 3-D weight)."""
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        owner = weight if weight._base is None else weight._base
+        layout = (tuple(weight.shape), weight.stride(), weight.storage_offset(), weight.dtype)
+        stamp = (weight.data_ptr(), None if weight.is_inference() else weight._version)
+        key = id(owner)
+        with self._lock:
+            entry = self._owners.get(key)
+            copy = entry[1].get(layout) if entry is not None and entry[0]() is owner else None
+        if copy is not None and copy[:2] == stamp:
+            return copy[2]
+        packed = cpu_extension.batch_invariant_pack(weight.detach())
+        with self._lock:
+            entry = self._owners.get(key)
+            if entry is None or entry[0]() is not owner:
+                entry = self._owners[key] = (weakref.ref(owner, self._forget(key)), {})
+            entry[1][layout] = (*stamp, packed)
+        return packed
+
+    def _forget(self, key: int):
+        def forget(ref: weakref.ref) -> None:
+            with self._lock:
+                if key in self._owners and self._owners[key][0] is ref:
+                    del self._owners[key]
+        return forget
+
+    def drop(self) -> None:
+        with self._lock:
+            self._owners.clear()
+
+    @property
+    def num_bytes(self) -> int:
+        with self._lock:
+            copies = [copy for _, layouts in self._owners.values() for copy in layouts.values()]
+        return sum(packed.numel() * packed.element_size() for *_, packed in copies)
+
+
+_PACKED = _PackedWeights()
+
+
+def drop_packed_weights() -> None:
+    """Forget the linear kernel's packed copies of every weight (this process): call it when
+    weights change in place without torch seeing it (inference tensors) or leave memory (the
+    engine does at weight updates and sleep). The next call packs again."""
+    _PACKED.drop()
+
+
+def packed_weights_bytes() -> int:
+    """Memory the linear kernel's packed copies hold now."""
+    return _PACKED.num_bytes
 
 
 def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
@@ -192,20 +267,29 @@ def is_batch_invariant_mode_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def set_batch_invariant_mode(enabled: bool = True) -> Iterator[None]:
+def set_batch_invariant_mode(enabled: bool = True, *,
+                             reuse_packed_weights: bool = False) -> Iterator[None]:
     """Run the body (in this thread) with the batch-invariant ops; `enabled=False` leaves the
     ops as they are (so callers can pass a flag through). Raises
-    `BatchInvariantUnavailableError` at entry where the kernels cannot run."""
+    `BatchInvariantUnavailableError` at entry where the kernels cannot run.
+
+    `reuse_packed_weights`: keep the linear kernel's packed copy of each weight from one call
+    to the next instead of packing it at every call; for a caller that calls
+    `drop_packed_weights()` whenever it writes its weights behind torch's back (see
+    `_PackedWeights`). The bits are the same either way."""
     if not enabled:
         yield
         return
     _require_kernels()
     _state.depth = getattr(_state, "depth", 0) + 1
+    reuse = getattr(_state, "reuse_packed", False)
+    _state.reuse_packed = reuse_packed_weights
     try:
         with _BatchInvariantMode(), batch_invariant_attention():
             yield
     finally:
         _state.depth -= 1
+        _state.reuse_packed = reuse
 
 
 def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager,

@@ -9,6 +9,8 @@
 //   - scores s_j = dot(q, k_j) * scale, the dot product in the linear layer's order (16 FMA
 //     lanes over the head dimension, a fixed tree; batch_invariant_vec.h);
 //   - m' = max(m, max_j s_j) (a maximum is exact in any order); alpha = exp(m - m');
+//     every exp is `exp_lane` (batch_invariant_vec.h), sixteen at a time where the CPU can:
+//     libm's exp could differ between machines and would cost a call per score;
 //   - l = l * alpha, then l = l + exp(s_j - m') for j in order;
 //   - acc[d] = acc[d] * alpha, then acc[d] = fma(exp(s_j - m'), v_j[d], acc[d]) for j in order;
 //
@@ -63,21 +65,22 @@ __attribute__((noinline)) void attend(const float* q, int64_t dim, const scalar_
   }
   float m = -std::numeric_limits<float>::infinity(), l = 0.f;
   for (int64_t d = 0; d < value_dim; ++d) acc[d] = 0.f;
-  float s[kGroup], p[kGroup];
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  alignas(64) float s[kGroup], p[kGroup], alpha_lanes[kGroup];
   for (int64_t g = 0; g < count; g += kGroup) {
     const int64_t n = std::min(kGroup, count - g);
-    float group_max = -std::numeric_limits<float>::infinity();
+    float group_max = kNone;
     for (int64_t j = 0; j < n; ++j) {
       s[j] = dot(q, keys[g + j], dim) * scale;
       group_max = std::max(group_max, s[j]);
     }
     const float m_new = std::max(m, group_max);
-    const float alpha = std::exp(m - m_new);  // 0 for the first group (m = -inf)
+    for (int64_t j = 0; j < kGroup; ++j) s[j] = j < n ? s[j] - m_new : kNone;
+    Vec16::exp(Vec16::load(s)).store(p);
+    Vec16::exp(Vec16::broadcast(m - m_new)).store(alpha_lanes);
+    const float alpha = alpha_lanes[0];  // 0 for the first group (m = -inf)
     l = l * alpha;
-    for (int64_t j = 0; j < n; ++j) {
-      p[j] = std::exp(s[j] - m_new);
-      l = l + p[j];
-    }
+    for (int64_t j = 0; j < n; ++j) l = l + p[j];
     for (int64_t d = 0; d < value_dim; ++d) acc[d] = acc[d] * alpha;
     for (int64_t j = 0; j < n; ++j) {
       const scalar_t* v = values[g + j];

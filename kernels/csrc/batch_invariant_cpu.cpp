@@ -4,25 +4,24 @@
 // from the shapes and the thread count: the same row of x times the same weights gives other
 // bits alone (a GEMV) than inside a batch of 2 or 64 (a GEMM, perhaps split over K), and the
 // trainer's padded full-sequence forward differs again from the engine's ragged steps. Here
-// out[m, n] = dot(x[m, :], w[n, :]) + bias[n] always in this order:
+// every output is one chain of fused multiply-adds in increasing k:
 //
-//   - 16 lane sums: lane j accumulates x[k] * w[k] for k = j, j + 16, j + 32, ... in increasing
-//     k, each step one fused multiply-add in float32 (double for double inputs); a last partial
-//     group of 16 is read as if padded with zeros;
-//   - the 16 lane sums are added as a fixed tree: lane i + lane i+8, then i + i+4, i + i+2,
-//     i + i+1;
-//   - the bias is added last, then the sum is rounded to the output dtype.
+//   acc = 0;  for k = 0 .. K-1:  acc = fma(x[m, k], w[n, k], acc);  out[m, n] = acc + bias[n]
+//
+// in float32 (double for double inputs), rounded to the output dtype at the end. bfloat16 and
+// float16 inputs are widened to float32 (exactly) before they enter the chain.
 //
 // Nothing in that depends on M, on the row's place in the batch, on which thread computes it or
-// on how many threads there are: each output is computed whole by one thread, by the same
-// sequence of roundings. The AVX-512 path (one 16-lane register), the AVX2 path (two 8-lane
-// registers) and the portable path (16 scalars) all follow it, so the bits do not depend on the
-// CPU's vector width either (fused multiply-add is exactly rounded everywhere). bfloat16 and
-// float16 inputs are widened to float32 as they are loaded. Weights are in nn.Linear's layout
-// [N, K] with a unit stride on K; x is [M, K] with a unit stride on K.
+// on how many threads there are, nor on the CPU's vector width: a vector lane runs the same
+// chain as a scalar loop would (fused multiply-add is exactly rounded everywhere), so the
+// AVX-512, AVX2 and portable builds agree bit for bit. Blocking only decides which chains run
+// side by side, never the order inside one.
 //
-// Blocking (4 rows x 4 columns of outputs at a time, columns split across threads in chunks of
-// 64) only decides which outputs are computed together, never the order inside one.
+// Speed comes from the layout: the weight is packed once (`batch_invariant_pack`) into panels
+// of 16 output columns, [ceil(N / 16), K, 16] with zeros past N, so that one step of k loads 16
+// consecutive weights and broadcasts one x per row: an outer-product micro-kernel of kRows rows
+// x kPanels panels of accumulators, all in registers for the whole of K (no tree, no split of
+// K). Rows are cut into chunks of kRowChunk and chunks x panel groups are spread over threads.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -31,111 +30,184 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "batch_invariant_vec.h"
 
 namespace {
 
-constexpr int64_t kRows = 4;      // outputs computed together: kRows x kCols
-constexpr int64_t kCols = 4;
-constexpr int64_t kChunk = 64;    // columns per parallel work item
-
 using batch_invariant::AccFor;
 using batch_invariant::kLanes;
-using batch_invariant::load_group;
 using batch_invariant::VecFor;
 
-// out[r, c] for rows m0..m0+R-1 and columns n0..n0+C-1 (R <= kRows, C <= kCols).
-template <typename scalar_t, int64_t R, int64_t C>
-inline void tile(const scalar_t* x, int64_t x_stride, const scalar_t* w, int64_t w_stride,
-                 const scalar_t* bias, scalar_t* out, int64_t out_stride, int64_t K) {
+constexpr int64_t kPanel = kLanes;  // output columns per packed panel
+constexpr int64_t kRowChunk = 96;   // rows per parallel work item (a multiple of every kRows)
+
+// Accumulators held in registers: kRows x kPanels vectors of 16 lanes.
+template <typename scalar_t>
+struct Blocking {
+#if defined(__AVX512F__)
+  static constexpr int kRows = std::is_same_v<scalar_t, double> ? 4 : 8;
+  static constexpr int kPanels = std::is_same_v<scalar_t, double> ? 1 : 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+  static constexpr int kRows = std::is_same_v<scalar_t, double> ? 4 : 6;
+  static constexpr int kPanels = 1;
+#else
+  static constexpr int kRows = 4;
+  static constexpr int kPanels = 1;
+#endif
+};
+
+// out[m0 + r, n0 + c] for R rows and P panels (16 P columns, the last ones past N skipped).
+// x: R rows of K widened inputs; panel: the first of P packed panels; bias: padded or null.
+template <typename scalar_t, int R, int P>
+inline void micro_kernel(const AccFor<scalar_t>* x, int64_t x_stride, const scalar_t* panel,
+                         int64_t K, const AccFor<scalar_t>* bias, scalar_t* out,
+                         int64_t out_stride, int64_t n0, int64_t N) {
   using V = VecFor<scalar_t>;
   using Acc = AccFor<scalar_t>;
-  V acc[R][C];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = 0; c < C; ++c) acc[r][c] = V::zero();
-  for (int64_t k = 0; k < K; k += kLanes) {
-    const int64_t valid = K - k;
-    V xs[R], ws[C];
-    for (int64_t r = 0; r < R; ++r) xs[r] = load_group<V>(x + r * x_stride + k, valid);
-    for (int64_t c = 0; c < C; ++c) ws[c] = load_group<V>(w + c * w_stride + k, valid);
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t c = 0; c < C; ++c) acc[r][c] = V::fma(xs[r], ws[c], acc[r][c]);
+  const int64_t panel_stride = K * kPanel;
+  V acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = V::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    V w[P];
+    for (int p = 0; p < P; ++p) w[p] = V::load(panel + p * panel_stride + k * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const V a = V::broadcast(x[r * x_stride + k]);
+      for (int p = 0; p < P; ++p) acc[r][p] = V::fma(a, w[p], acc[r][p]);
+    }
   }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = 0; c < C; ++c) {
-      Acc sum = acc[r][c].tree_sum();
-      if (bias != nullptr) sum = sum + static_cast<Acc>(bias[c]);
-      out[r * out_stride + c] = static_cast<scalar_t>(sum);
+  alignas(64) Acc lanes[kPanel];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) {
+      V v = acc[r][p];
+      if (bias != nullptr) v = V::add(v, V::load(bias + p * kPanel));
+      const int64_t col = n0 + p * kPanel;
+      const int64_t valid = std::min(kPanel, N - col);
+      scalar_t* dst = out + r * out_stride + col;
+      if constexpr (std::is_same_v<scalar_t, Acc>) {
+        if (valid == kPanel) {
+          v.store(dst);
+          continue;
+        }
+      }
+      v.store(lanes);
+      for (int64_t j = 0; j < valid; ++j) dst[j] = static_cast<scalar_t>(lanes[j]);
     }
 }
 
-// Rows m0.. (R of them) against columns [n0, n1): full kCols tiles, then single columns.
-template <typename scalar_t, int64_t R>
-inline void row_block(const scalar_t* x, int64_t x_stride, const scalar_t* w, int64_t w_stride,
-                      const scalar_t* bias, scalar_t* out, int64_t out_stride, int64_t K,
-                      int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + kCols <= n1; n += kCols)
-    tile<scalar_t, R, kCols>(x, x_stride, w + n * w_stride, w_stride,
-                             bias ? bias + n : nullptr, out + n, out_stride, K);
-  for (; n < n1; ++n)
-    tile<scalar_t, R, 1>(x, x_stride, w + n * w_stride, w_stride, bias ? bias + n : nullptr,
-                         out + n, out_stride, K);
+// The last rows of a chunk (fewer than kRows) run the same chains with fewer accumulators.
+template <typename scalar_t, int R, int P>
+inline void micro_rows(int64_t rows, const AccFor<scalar_t>* x, int64_t x_stride,
+                       const scalar_t* panel, int64_t K, const AccFor<scalar_t>* bias,
+                       scalar_t* out, int64_t out_stride, int64_t n0, int64_t N) {
+  if (rows == R) {
+    micro_kernel<scalar_t, R, P>(x, x_stride, panel, K, bias, out, out_stride, n0, N);
+  } else if constexpr (R > 1) {
+    micro_rows<scalar_t, R - 1, P>(rows, x, x_stride, panel, K, bias, out, out_stride, n0, N);
+  }
 }
 
+// x: [M, K] widened and contiguous; packed: [ceil(N / 16), K, 16]; bias: padded to whole
+// panels or undefined; out: [M, N].
 template <typename scalar_t>
-void linear_kernel(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias,
-                   at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const scalar_t* xp = x.data_ptr<scalar_t>();
-  const scalar_t* wp = w.data_ptr<scalar_t>();
-  const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
+void linear_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias,
+                          at::Tensor& out, int64_t N) {
+  using Acc = AccFor<scalar_t>;
+  constexpr int R = Blocking<scalar_t>::kRows;
+  constexpr int P = Blocking<scalar_t>::kPanels;
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
+  const Acc* xp = x.data_ptr<Acc>();
+  const scalar_t* wp = packed.data_ptr<scalar_t>();
+  const Acc* bp = bias.defined() ? bias.data_ptr<Acc>() : nullptr;
   scalar_t* op = out.data_ptr<scalar_t>();
-  const int64_t xs = x.stride(0), ws = w.stride(0), os = out.stride(0);
-  const int64_t chunks = (N + kChunk - 1) / kChunk;
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t chunk = begin; chunk < end; ++chunk) {
-      const int64_t n0 = chunk * kChunk, n1 = std::min(N, n0 + kChunk);
-      int64_t m = 0;
-      for (; m + kRows <= M; m += kRows)
-        row_block<scalar_t, kRows>(xp + m * xs, xs, wp, ws, bp, op + m * os, os, K, n0, n1);
-      for (; m < M; ++m)
-        row_block<scalar_t, 1>(xp + m * xs, xs, wp, ws, bp, op + m * os, os, K, n0, n1);
+  const int64_t os = out.stride(0);
+  const int64_t groups = (panels + P - 1) / P;
+  const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
+  at::parallel_for(0, chunks * groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t chunk = item / groups, group = item % groups;
+      const int64_t m1 = std::min(M, (chunk + 1) * kRowChunk);
+      const int64_t first = group * P, count = std::min<int64_t>(P, panels - first);
+      const scalar_t* panel = wp + first * K * kPanel;
+      const Acc* panel_bias = bp ? bp + first * kPanel : nullptr;
+      for (int64_t m = chunk * kRowChunk; m < m1; m += R) {
+        const int64_t rows = std::min<int64_t>(R, m1 - m);
+        if (count == P) {
+          micro_rows<scalar_t, R, P>(rows, xp + m * K, K, panel, K, panel_bias, op + m * os, os,
+                                     first * kPanel, N);
+        } else {
+          micro_rows<scalar_t, R, 1>(rows, xp + m * K, K, panel, K, panel_bias, op + m * os, os,
+                                     first * kPanel, N);
+        }
+      }
     }
   });
 }
 
-// x [M, K], weight [N, K], bias [N] or none -> [M, N] in x's dtype.
+// weight [N, K] (any strides) -> [ceil(N / 16), K, 16], columns past N zero.
+at::Tensor batch_invariant_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "batch_invariant_pack: weight [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
+  at::Tensor padded = at::zeros({panels * kPanel, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({panels, kPanel, K}).transpose(1, 2).contiguous();
+}
+
+// x [M, K], packed [ceil(N / 16), K, 16] from `batch_invariant_pack`, bias [N] or none ->
+// [M, N] in x's dtype.
+at::Tensor batch_invariant_linear_packed(const at::Tensor& x, const at::Tensor& packed,
+                                         int64_t out_features,
+                                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, "batch_invariant_linear: x [M, K]");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
+              "batch_invariant_linear: packed weight [ceil(N / 16), K, 16] from "
+              "batch_invariant_pack");
+  TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel &&
+                  out_features <= packed.size(0) * kPanel,
+              "batch_invariant_linear: ", out_features, " out features do not fit a packed "
+              "weight of ", packed.size(0), " panels");
+  TORCH_CHECK(x.size(1) == packed.size(1), "batch_invariant_linear: x has ", x.size(1),
+              " features, weight ", packed.size(1));
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(),
+              "batch_invariant_linear: x and weight dtypes differ");
+  const bool is_double = x.scalar_type() == at::kDouble;
+  const auto acc_dtype = is_double ? at::kDouble : at::kFloat;
+  const at::Tensor xw = x.to(acc_dtype).contiguous();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features,
+                "batch_invariant_linear: bias must be [N]");
+    b = at::zeros({packed.size(0) * kPanel}, x.options().dtype(acc_dtype));
+    b.narrow(0, 0, out_features).copy_(bias->to(x.scalar_type()));
+  }
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
+                                  "batch_invariant_linear", [&] {
+    linear_packed_kernel<scalar_t>(xw, packed, b, out, out_features);
+  });
+  return out;
+}
+
+// x [M, K], weight [N, K], bias [N] or none -> [M, N] in x's dtype (packs the weight first).
 at::Tensor batch_invariant_linear(const at::Tensor& x, const at::Tensor& weight,
                                   const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "batch_invariant_linear: x [M, K], weight [N, K]");
-  TORCH_CHECK(x.size(1) == weight.size(1), "batch_invariant_linear: x has ", x.size(1),
-              " features, weight ", weight.size(1));
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(),
-              "batch_invariant_linear: x and weight dtypes differ");
-  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-  const at::Tensor wc = weight.stride(1) == 1 ? weight : weight.contiguous();
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0),
-                "batch_invariant_linear: bias must be [N]");
-    b = bias->to(x.scalar_type()).contiguous();
-  }
-  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
-                                  "batch_invariant_linear", [&] {
-    linear_kernel<scalar_t>(xc, wc, b.defined() ? &b : nullptr, out);
-  });
-  return out;
+  return batch_invariant_linear_packed(x, batch_invariant_pack(weight), weight.size(0), bias);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(rollout_cpu, m) {
   m.def("batch_invariant_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("batch_invariant_pack(Tensor weight) -> Tensor");
+  m.def("batch_invariant_linear_packed(Tensor x, Tensor packed, int out_features, "
+        "Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) {
   m.impl("batch_invariant_linear", &batch_invariant_linear);
+  m.impl("batch_invariant_pack", &batch_invariant_pack);
+  m.impl("batch_invariant_linear_packed", &batch_invariant_linear_packed);
 }

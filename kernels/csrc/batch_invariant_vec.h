@@ -10,11 +10,45 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace batch_invariant {
 
 constexpr int64_t kLanes = 16;
+
+// exp(x) in float32 as a sequence of exactly rounded steps (Cephes' expf: x = n ln2 + r with
+// ln2 in two parts, a degree-7 polynomial in r, times 2^n; within 2 ulp), so that every lane of
+// every build computes the same bits; 0 below -87.3 (and for -inf). The vector versions below
+// are this function, a lane at a time.
+namespace exp_constants {
+constexpr float kLow = -87.33654f, kHigh = 88.37626f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f,
+                kP3 = 4.1665795894e-2f, kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+}  // namespace exp_constants
+
+inline float exp_lane(float x) {
+  using namespace exp_constants;
+  const bool underflows = x < kLow;
+  const float v = std::min(std::max(x, kLow), kHigh);
+  const float n = std::floor(std::fma(v, kLog2e, 0.5f));
+  float r = std::fma(n, -kLn2High, v);
+  r = std::fma(n, -kLn2Low, r);
+  float poly = std::fma(kP0, r, kP1);
+  poly = std::fma(poly, r, kP2);
+  poly = std::fma(poly, r, kP3);
+  poly = std::fma(poly, r, kP4);
+  poly = std::fma(poly, r, kP5);
+  const float r2 = r * r;
+  float y = std::fma(poly, r2, r);
+  y = y + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  y = y * scale;
+  return underflows ? 0.0f : y;
+}
 
 // Sixteen lanes as plain scalars: the portable path (float) and double inputs.
 template <typename T>
@@ -27,9 +61,23 @@ struct Lanes16 {
     for (int64_t i = 0; i < kLanes; ++i) out.v[i] = static_cast<T>(p[i]);
     return out;
   }
+  static Lanes16 broadcast(T x) {
+    Lanes16 out;
+    for (int64_t i = 0; i < kLanes; ++i) out.v[i] = x;
+    return out;
+  }
   static Lanes16 fma(Lanes16 a, Lanes16 b, Lanes16 c) {
     for (int64_t i = 0; i < kLanes; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
     return c;
+  }
+  static Lanes16 add(Lanes16 a, Lanes16 b) {
+    for (int64_t i = 0; i < kLanes; ++i) a.v[i] = a.v[i] + b.v[i];
+    return a;
+  }
+  void store(T* p) const { std::copy(v, v + kLanes, p); }
+  static Lanes16 exp(Lanes16 x) {
+    for (int64_t i = 0; i < kLanes; ++i) x.v[i] = exp_lane(x.v[i]);
+    return x;
   }
   T tree_sum() const {
     T s[kLanes];
@@ -63,7 +111,32 @@ struct Vec16 {
   static Vec16 load(const at::Half* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
+  static Vec16 broadcast(float x) { return {_mm512_set1_ps(x)}; }
   static Vec16 fma(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec16 add(Vec16 a, Vec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  static Vec16 exp(Vec16 x) {  // exp_lane, sixteen at a time
+    using namespace exp_constants;
+    const __m512 low = _mm512_set1_ps(kLow);
+    const __mmask16 underflows = _mm512_cmp_ps_mask(x.v, low, _CMP_LT_OQ);
+    const __m512 v = _mm512_min_ps(_mm512_max_ps(x.v, low), _mm512_set1_ps(kHigh));
+    const __m512 n = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(v, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2High), v);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Low), r);
+    __m512 poly = _mm512_fmadd_ps(_mm512_set1_ps(kP0), r, _mm512_set1_ps(kP1));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(kP2));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(kP3));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(kP4));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(kP5));
+    __m512 y = _mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), r);
+    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    y = _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+    return {_mm512_maskz_mov_ps(static_cast<__mmask16>(~underflows), y)};
+  }
   float tree_sum() const {
     const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
     return tree_sum8(_mm256_add_ps(_mm512_castps512_ps256(v), high));
@@ -84,9 +157,39 @@ struct Vec16 {
     for (int64_t i = 0; i < kLanes; ++i) wide[i] = static_cast<float>(p[i]);
     return load(wide);
   }
+  static Vec16 broadcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
   static Vec16 fma(Vec16 a, Vec16 b, Vec16 c) {
     return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
   }
+  static Vec16 add(Vec16 a, Vec16 b) {
+    return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+  }
+  void store(float* p) const {
+    _mm256_storeu_ps(p, lo);
+    _mm256_storeu_ps(p + 8, hi);
+  }
+  static __m256 exp8(__m256 x) {  // exp_lane, eight at a time
+    using namespace exp_constants;
+    const __m256 low = _mm256_set1_ps(kLow);
+    const __m256 underflows = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+    const __m256 v = _mm256_min_ps(_mm256_max_ps(x, low), _mm256_set1_ps(kHigh));
+    const __m256 n =
+        _mm256_floor_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(kLog2e), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2High), v);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Low), r);
+    __m256 poly = _mm256_fmadd_ps(_mm256_set1_ps(kP0), r, _mm256_set1_ps(kP1));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(kP2));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(kP3));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(kP4));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(kP5));
+    __m256 y = _mm256_fmadd_ps(poly, _mm256_mul_ps(r, r), r);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+    return _mm256_andnot_ps(underflows, y);
+  }
+  static Vec16 exp(Vec16 x) { return {exp8(x.lo), exp8(x.hi)}; }
   float tree_sum() const { return tree_sum8(_mm256_add_ps(lo, hi)); }
 };
 #else

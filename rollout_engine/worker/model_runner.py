@@ -129,7 +129,8 @@ class ModelRunner:
         with placeholders reads the tokens of the step prepared just before it, which must
         have run and succeeded. With `batch_invariant`, all of it in that mode.
         """
-        with set_batch_invariant_mode(self.batch_invariant):
+        # The engine's weights change only through the worker, which drops the packed copies.
+        with set_batch_invariant_mode(self.batch_invariant, reuse_packed_weights=True):
             return self._run(prepared)
 
     def _run(self, prepared: PreparedStep) -> ModelRunnerOutput:

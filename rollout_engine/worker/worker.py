@@ -8,6 +8,7 @@ import torch
 
 from kernels import kv_cache_layout
 from memory import MemoryEventLog
+from rollout_engine.batch_invariant import drop_packed_weights
 from rollout_engine.config import EngineConfig
 from rollout_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from rollout_engine.protocol import MemoryState, SleepLevel
@@ -59,6 +60,7 @@ class Worker:
             model_config.model, self.dtype, self.device, max_model_len,
             self.memory.create_weights_pool, self.tp,
         )
+        self.batch_invariant = model_config.batch_invariant
         self._init_packed_weights(
             model, model_config.cpu_packed_weights and not model_config.batch_invariant)
         self.weights = WeightUpdater(model, self.memory, event_log,
@@ -82,6 +84,8 @@ class Worker:
             on_weight_update()
             if self.packed_weights is not None:
                 self.packed_weights.drop()  # packed again from the new weights
+            if self.batch_invariant:
+                drop_packed_weights()  # the batch-invariant kernel's copies, likewise
             self.model_runner.refresh_graphs()
             self._return_cached_device_memory()  # the update's staging copies
 
@@ -185,6 +189,8 @@ class Worker:
             # forward after the update). Level 1 restores the weights as they were, and on
             # the CPU their backup stays in host memory as the copies do: they are kept.
             self.packed_weights.drop()
+        if self.batch_invariant:
+            drop_packed_weights()  # packed again by the first step after waking
         self.memory.sleep(level)
         self._return_cached_device_memory()
 

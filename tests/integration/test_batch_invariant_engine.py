@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollout_engine import LLM, SamplingParams
-from rollout_engine.batch_invariant import set_batch_invariant_mode
+from rollout_engine.batch_invariant import packed_weights_bytes, set_batch_invariant_mode
 from rollout_engine.tiny_model import build_tiny_model, write_model_dir
 from tests.integration.test_spec_decode import repetitive_prompts
 from tests.integration.test_transformers_backend import CONFIGS, make_config
@@ -142,6 +142,23 @@ def test_under_tensor_parallelism_a_request_alone_equals_it_in_a_batch(model_dir
         llm.shutdown()
     for a, b in zip(alone.outputs, batched.outputs, strict=True):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def test_updated_weights_are_packed_again_and_sleep_frees_the_copies(model_dirs, tmp_path):
+    """The linear kernel keeps a packed copy of every weight between steps: a weight update
+    must not leave the old copies in use (the updated engine equals one loaded from the new
+    weights, bit for bit) and sleep gives their memory back."""
+    other_dir = build_tiny_model(tmp_path / "other", "llama", "tiny", seed=1)
+    llm, _ = run(model_dirs["llama"], "float32", "native")
+    assert packed_weights_bytes() > 0
+    new_weights = AutoModelForCausalLM.from_pretrained(other_dir).state_dict()
+    llm.update_weights(list(new_weights.items()))
+    updated = llm.generate(PROMPTS, PARAMS)
+    _, fresh = run(str(other_dir), "float32", "native")
+    assert [[(s.token_ids, s.logprobs) for s in o.outputs] for o in updated] == [
+        [(s.token_ids, s.logprobs) for s in o.outputs] for o in fresh]
+    llm.sleep(level=2)
+    assert packed_weights_bytes() == 0
 
 
 def test_without_the_mode_the_logprobs_are_only_close(model_dirs):

@@ -15,9 +15,11 @@ import torch.nn.functional as F
 
 from rollout_engine.batch_invariant import (
     attention,
+    drop_packed_weights,
     grouped_mm,
     is_batch_invariant_mode_enabled,
     linear,
+    packed_weights_bytes,
     set_batch_invariant_mode,
 )
 from tests.unit.test_paged_attention_cpu import require_kernel
@@ -74,6 +76,36 @@ def test_gradients_are_right():
     bias = torch.randn(7, dtype=torch.float64, generator=generator, requires_grad=True)
     assert torch.autograd.gradcheck(linear, (x, weight, bias))
     assert torch.autograd.gradcheck(lambda a, w: linear(a, w), (x, weight))
+
+
+def test_packed_copies_are_reused_only_where_the_caller_owns_the_weights_changes():
+    """With `reuse_packed_weights` (the engine) a weight is packed once and packed again when
+    torch sees it change; a write behind torch's back (`.data`) takes effect after
+    `drop_packed_weights()`; without reuse (a trainer) every call reads the weight as it is.
+    A collected weight's copy goes with it."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(40, 24, generator=generator)
+    x = torch.randn(3, 24, generator=generator)
+    new = torch.randn(40, 24, generator=generator)
+    drop_packed_weights()
+    with set_batch_invariant_mode(reuse_packed_weights=True):
+        before = linear(x, weight)
+        assert packed_weights_bytes() == 48 * 24 * 4  # 40 columns padded to 3 panels of 16
+        with torch.no_grad():
+            weight.copy_(new)  # torch sees it: packed again
+        assert torch.equal(linear(x, weight), linear(x, new))
+        weight.data.copy_(torch.zeros_like(weight))  # behind torch's back
+        assert torch.equal(linear(x, weight), linear(x, new))  # the stale copy, by contract
+        drop_packed_weights()
+        assert torch.equal(linear(x, weight), torch.zeros(3, 40))
+    weight.data.copy_(new)
+    assert torch.equal(linear(x, weight), linear(x, new))  # without reuse: read every call
+    assert not torch.equal(before, linear(x, new))
+    with set_batch_invariant_mode(reuse_packed_weights=True):
+        linear(x, weight)
+    assert packed_weights_bytes() > 0
+    del weight
+    assert packed_weights_bytes() == 0
 
 
 def test_grouped_mm_runs_each_experts_rows_through_its_weights():
@@ -191,7 +223,8 @@ if name == "native":
     from kernels import cpu_extension
     assert cpu_extension.available()
 else:
-    cpp_extension.load(name=name, sources=["kernels/csrc/batch_invariant_cpu.cpp"],
+    cpp_extension.load(name=name, sources=["kernels/csrc/batch_invariant_cpu.cpp",
+                                           "kernels/csrc/batch_invariant_attention_cpu.cpp"],
                        extra_cflags=flags + ["-fopenmp"], extra_ldflags=["-fopenmp"],
                        is_python_module=False)
 generator = torch.Generator().manual_seed(0)
@@ -200,6 +233,10 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
     x, w, b = (torch.randn(*shape, generator=generator).to(dtype)
                for shape in ((37, 203), (45, 203), (45,)))
     outs.append(torch.ops.rollout_cpu.batch_invariant_linear(x, w, b))
+    if dtype != torch.float64:  # attention, its exp included: scores far apart and close
+        q, k, v = (torch.randn(2, 4, 40, 24, generator=generator).to(dtype) * 3
+                   for _ in range(3))
+        outs.append(torch.ops.rollout_cpu.batch_invariant_attention(q, k, v, None, True, 0.2))
 torch.save(outs, out)
 """
 
@@ -207,8 +244,8 @@ torch.save(outs, out)
 @pytest.mark.slow
 def test_the_bits_do_not_depend_on_the_vector_width(tmp_path):
     """The AVX-512 build (this machine's -march=native), an AVX2 build and the portable loops
-    follow one order: their outputs are equal, bit for bit (each variant builds in its own
-    process)."""
+    follow one order: their linear layers and attention (its exp included) are equal, bit for
+    bit (each variant builds in its own process)."""
     root = Path(__file__).resolve().parents[2]
     variants = {"native": [], "bi_test_avx2": ["-O2", "-mavx2", "-mfma", "-mf16c"],
                 "bi_test_portable": ["-O2"]}
