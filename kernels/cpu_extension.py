@@ -27,7 +27,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_attention_cpu.cpp", "batch_invariant_cpu.cpp",
                         "batch_invariant_attention_cpu.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name
-           for name in ("cpu_vec.h", "batch_invariant_vec.h")]
+           for name in ("cpu_vec.h", "batch_invariant_vec.h", "batch_invariant_amx.h")]
 _NAME = "rollout_engine_cpu_attention"
 _ENV = "ROLLOUT_ENGINE_CPU_KERNEL"
 _lock = threading.Lock()

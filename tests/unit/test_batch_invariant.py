@@ -4,6 +4,7 @@ Hugging Face model's linear layers to it in the thread that entered it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -40,7 +41,7 @@ def test_a_row_has_the_same_bits_alone_in_any_batch_and_with_any_thread_count(dt
     weight = torch.randn(n, k, generator=generator).to(dtype)
     bias = torch.randn(n, generator=generator).to(dtype)
     full = linear(x, weight, bias)
-    for row in (0, 3, 41, 69):
+    for row in (0, 3, 15, 16, 31, 32, 41, 69):  # AMX tiles: 16 rows, pairs of 32
         assert torch.equal(linear(x[row:row + 1], weight, bias), full[row:row + 1])
     order = torch.randperm(70, generator=generator)
     assert torch.equal(linear(x[order], weight, bias), full[order])
@@ -245,7 +246,8 @@ torch.save(outs, out)
 def test_the_bits_do_not_depend_on_the_vector_width(tmp_path):
     """The AVX-512 build (this machine's -march=native), an AVX2 build and the portable loops
     follow one order: their linear layers and attention (its exp included) are equal, bit for
-    bit (each variant builds in its own process)."""
+    bit (each variant builds in its own process). AMX tiles, which round bfloat16 sums their own
+    way, are off here; the other tests run them where the CPU has them."""
     root = Path(__file__).resolve().parents[2]
     variants = {"native": [], "bi_test_avx2": ["-O2", "-mavx2", "-mfma", "-mf16c"],
                 "bi_test_portable": ["-O2"]}
@@ -253,7 +255,7 @@ def test_the_bits_do_not_depend_on_the_vector_width(tmp_path):
     for name, flags in variants.items():
         out = tmp_path / f"{name}.pt"
         subprocess.run([sys.executable, "-c", _VARIANT, name, str(out), *flags], cwd=root,
-                       check=True, timeout=300)
+                       check=True, timeout=300, env={**os.environ, "ROLLOUT_ENGINE_BI_AMX": "0"})
         results[name] = torch.load(out)
     for name in variants:
         assert all(torch.equal(a, b) for a, b in zip(results["native"], results[name],
