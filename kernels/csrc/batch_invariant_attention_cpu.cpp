@@ -15,14 +15,15 @@
 //   - acc[d] = acc[d] * alpha, then acc[d] = fma(exp(s_j - m'), v_j[d], acc[d]) for j in order;
 //
 // and out[d] = acc[d] / l, rounded to the input dtype (zeros where no key is visible). All math
-// in float32; bfloat16 and float16 are widened as they are loaded. `attend` does this for one
-// query vector given its keys' and values' row pointers and is not inlined, so every caller
-// (this dense entry point; a paged one reading a KV cache) runs the same instructions.
+// in float32; bfloat16 and float16 are widened as they are loaded. `attend` does this for the
+// query vectors of one key/value head (each on its own, reading each key once for all) given
+// the keys' and values' row pointers, and is not inlined, so every caller (this dense entry
+// point; a paged one reading a KV cache) runs the same instructions.
 //
 // Dense entry point (sdpa's layout): q [B, H, Lq, D], k [B, Hk, Lk, D], v [B, Hk, Lk, Dv] with H
 // a multiple of Hk (grouped-query attention), unit stride on the last dims; mask, if given, a
 // bool tensor broadcastable to [B, H, Lq, Lk] (true = visible); else is_causal (query i sees
-// keys 0..i) or all keys. Work is split across threads by query vector.
+// keys 0..i) or all keys. Work is split across threads by query position and key/value head.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -52,45 +53,72 @@ inline float dot(const float* q, const scalar_t* k, int64_t dim) {
   return acc.tree_sum();
 }
 
-// One query vector (widened to float32) over `count` visible keys, in the order of the header.
-// `acc` is scratch of value_dim floats.
+// acc[d] = acc[d] * alpha, then acc[d] = fma(p[j], v_j[d], acc[d]) for j in order: sixteen d
+// at a time in registers, the rest one at a time (the same operations, lane by lane).
 template <typename scalar_t>
-__attribute__((noinline)) void attend(const float* q, int64_t dim, const scalar_t* const* keys,
+inline void accumulate_values(const scalar_t* const* values, int64_t n, const float* p,
+                              float alpha, int64_t value_dim, float* acc) {
+  int64_t d = 0;
+  for (; d + kLanes <= value_dim; d += kLanes) {
+    Vec16 a = Vec16::mul(Vec16::load(acc + d), Vec16::broadcast(alpha));
+    for (int64_t j = 0; j < n; ++j)
+      a = Vec16::fma(Vec16::broadcast(p[j]), Vec16::load(values[j] + d), a);
+    a.store(acc + d);
+  }
+  for (; d < value_dim; ++d) {
+    float a = acc[d] * alpha;
+    for (int64_t j = 0; j < n; ++j) a = std::fma(p[j], static_cast<float>(values[j][d]), a);
+    acc[d] = a;
+  }
+}
+
+// `num_queries` query vectors (widened to float32) that share one key/value head, each over
+// the same `count` visible keys, each in the order of the header: a query's bits are those it
+// gets alone. Taking the queries of a grouped-query head together reads each key and value
+// once for all of them. Scratch: `acc` num_queries x value_dim floats, `state` 2 x num_queries.
+template <typename scalar_t>
+__attribute__((noinline)) void attend(const float* const* queries, int64_t num_queries,
+                                      int64_t dim, const scalar_t* const* keys,
                                       const scalar_t* const* values, int64_t count,
-                                      int64_t value_dim, float scale, float* acc,
-                                      scalar_t* out) {
+                                      int64_t value_dim, float scale, float* acc, float* state,
+                                      scalar_t* const* outs) {
   if (count == 0) {
-    for (int64_t d = 0; d < value_dim; ++d) out[d] = scalar_t(0);
+    for (int64_t i = 0; i < num_queries; ++i)
+      for (int64_t d = 0; d < value_dim; ++d) outs[i][d] = scalar_t(0);
     return;
   }
-  float m = -std::numeric_limits<float>::infinity(), l = 0.f;
-  for (int64_t d = 0; d < value_dim; ++d) acc[d] = 0.f;
   constexpr float kNone = -std::numeric_limits<float>::infinity();
+  float* maxima = state;               // m per query
+  float* sums = state + num_queries;   // l per query
+  for (int64_t i = 0; i < num_queries; ++i) {
+    maxima[i] = kNone;
+    sums[i] = 0.f;
+  }
+  std::fill(acc, acc + num_queries * value_dim, 0.f);
   alignas(64) float s[kGroup], p[kGroup], alpha_lanes[kGroup];
   for (int64_t g = 0; g < count; g += kGroup) {
     const int64_t n = std::min(kGroup, count - g);
-    float group_max = kNone;
-    for (int64_t j = 0; j < n; ++j) {
-      s[j] = dot(q, keys[g + j], dim) * scale;
-      group_max = std::max(group_max, s[j]);
+    for (int64_t i = 0; i < num_queries; ++i) {
+      float group_max = kNone;
+      for (int64_t j = 0; j < n; ++j) {
+        s[j] = dot(queries[i], keys[g + j], dim) * scale;
+        group_max = std::max(group_max, s[j]);
+      }
+      const float m = maxima[i], m_new = std::max(m, group_max);
+      for (int64_t j = 0; j < kGroup; ++j) s[j] = j < n ? s[j] - m_new : kNone;
+      Vec16::exp(Vec16::load(s)).store(p);
+      Vec16::exp(Vec16::broadcast(m - m_new)).store(alpha_lanes);
+      const float alpha = alpha_lanes[0];  // 0 for the first group (m = -inf)
+      float l = sums[i] * alpha;
+      for (int64_t j = 0; j < n; ++j) l = l + p[j];
+      sums[i] = l;
+      maxima[i] = m_new;
+      accumulate_values(values + g, n, p, alpha, value_dim, acc + i * value_dim);
     }
-    const float m_new = std::max(m, group_max);
-    for (int64_t j = 0; j < kGroup; ++j) s[j] = j < n ? s[j] - m_new : kNone;
-    Vec16::exp(Vec16::load(s)).store(p);
-    Vec16::exp(Vec16::broadcast(m - m_new)).store(alpha_lanes);
-    const float alpha = alpha_lanes[0];  // 0 for the first group (m = -inf)
-    l = l * alpha;
-    for (int64_t j = 0; j < n; ++j) l = l + p[j];
-    for (int64_t d = 0; d < value_dim; ++d) acc[d] = acc[d] * alpha;
-    for (int64_t j = 0; j < n; ++j) {
-      const scalar_t* v = values[g + j];
-      const float pj = p[j];
-      for (int64_t d = 0; d < value_dim; ++d)
-        acc[d] = std::fma(pj, static_cast<float>(v[d]), acc[d]);
-    }
-    m = m_new;
   }
-  for (int64_t d = 0; d < value_dim; ++d) out[d] = static_cast<scalar_t>(acc[d] / l);
+  for (int64_t i = 0; i < num_queries; ++i)
+    for (int64_t d = 0; d < value_dim; ++d)
+      outs[i][d] = static_cast<scalar_t>(acc[i * value_dim + d] / sums[i]);
 }
 
 template <typename scalar_t>
@@ -104,17 +132,28 @@ void dense_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const scalar_t* vp = v.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const bool* mp = mask ? mask->data_ptr<bool>() : nullptr;
-  at::parallel_for(0, B * H * Lq, 1, [&](int64_t begin, int64_t end) {
+  // The query heads of one key/value head go together when they see the same keys (no mask,
+  // or one broadcast over heads, as Hugging Face's masks are).
+  const int64_t together = mp == nullptr || mask->stride(1) == 0 ? per_kv : 1;
+  const int64_t head_groups = H / together;
+  at::parallel_for(0, B * head_groups * Lq, 1, [&](int64_t begin, int64_t end) {
     std::vector<const scalar_t*> keys, values;
-    std::vector<float> qf(D), acc(Dv);
+    std::vector<float> qf(together * D), acc(together * Dv), state(2 * together);
+    std::vector<const float*> queries(together);
+    std::vector<scalar_t*> outs(together);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (H * Lq), h = (item / Lq) % H, i = item % Lq;
-      const int64_t hk = h / per_kv;
-      const scalar_t* qrow = qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
-      for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(qrow[d]);
+      const int64_t b = item / (head_groups * Lq), h0 = (item / Lq) % head_groups * together;
+      const int64_t i = item % Lq, hk = h0 / per_kv;
+      for (int64_t g = 0; g < together; ++g) {
+        const scalar_t* qrow =
+            qp + b * q.stride(0) + (h0 + g) * q.stride(1) + i * q.stride(2);
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(qrow[d]);
+        queries[g] = qf.data() + g * D;
+        outs[g] = op + ((b * H + h0 + g) * Lq + i) * Dv;
+      }
       const scalar_t* kbase = kp + b * k.stride(0) + hk * k.stride(1);
       const scalar_t* vbase = vp + b * v.stride(0) + hk * v.stride(1);
-      const bool* mrow = mp ? mp + b * mask->stride(0) + h * mask->stride(1) +
+      const bool* mrow = mp ? mp + b * mask->stride(0) + h0 * mask->stride(1) +
                                   i * mask->stride(2)
                             : nullptr;
       keys.clear();
@@ -125,9 +164,9 @@ void dense_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         keys.push_back(kbase + j * k.stride(2));
         values.push_back(vbase + j * v.stride(2));
       }
-      scalar_t* orow = op + ((b * H + h) * Lq + i) * Dv;
-      attend<scalar_t>(qf.data(), D, keys.data(), values.data(),
-                       static_cast<int64_t>(keys.size()), Dv, scale, acc.data(), orow);
+      attend<scalar_t>(queries.data(), together, D, keys.data(), values.data(),
+                       static_cast<int64_t>(keys.size()), Dv, scale, acc.data(), state.data(),
+                       outs.data());
     }
   });
 }
@@ -187,23 +226,30 @@ void paged_kernel(const at::Tensor& q, const at::Tensor& key_cache,
   const scalar_t* kp = key_cache.data_ptr<scalar_t>();
   const scalar_t* vp = value_cache.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
-  at::parallel_for(0, T * H, 1, [&](int64_t begin, int64_t end) {
+  // The query heads of one key/value head go together: they see the same keys.
+  at::parallel_for(0, T * Hk, 1, [&](int64_t begin, int64_t end) {
     std::vector<const scalar_t*> keys, values;
-    std::vector<float> qf(D), acc(Dv);
+    std::vector<float> qf(per_kv * D), acc(per_kv * Dv), state(2 * per_kv);
+    std::vector<const float*> queries(per_kv);
+    std::vector<scalar_t*> outs(per_kv);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / H, h = item % H, hk = h / per_kv;
-      scalar_t* orow = op + (t * H + h) * Dv;
+      const int64_t t = item / Hk, hk = item % Hk, h0 = hk * per_kv;
+      for (int64_t g = 0; g < per_kv; ++g) outs[g] = op + (t * H + h0 + g) * Dv;
       const int64_t r = request_of[t];
       if (r < 0) {  // a padding row of the step: attends to nothing
-        for (int64_t d = 0; d < Dv; ++d) orow[d] = scalar_t(0);
+        for (int64_t g = 0; g < per_kv; ++g)
+          for (int64_t d = 0; d < Dv; ++d) outs[g][d] = scalar_t(0);
         continue;
       }
       const int64_t q_len = starts[r + 1] - starts[r];
       const int64_t position = lens[r] - q_len + (t - starts[r]);
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, position - sliding_window + 1)
                                                : 0;
-      const scalar_t* qrow = qp + t * q.stride(0) + h * q.stride(1);
-      for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(qrow[d]);
+      for (int64_t g = 0; g < per_kv; ++g) {
+        const scalar_t* qrow = qp + t * q.stride(0) + (h0 + g) * q.stride(1);
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(qrow[d]);
+        queries[g] = qf.data() + g * D;
+      }
       keys.clear();
       values.clear();
       for (int64_t j = first; j <= position; ++j) {
@@ -213,8 +259,9 @@ void paged_kernel(const at::Tensor& q, const at::Tensor& key_cache,
         values.push_back(vp + block * value_cache.stride(0) + slot * value_cache.stride(1) +
                          hk * value_cache.stride(2));
       }
-      attend<scalar_t>(qf.data(), D, keys.data(), values.data(),
-                       static_cast<int64_t>(keys.size()), Dv, scale, acc.data(), orow);
+      attend<scalar_t>(queries.data(), per_kv, D, keys.data(), values.data(),
+                       static_cast<int64_t>(keys.size()), Dv, scale, acc.data(), state.data(),
+                       outs.data());
     }
   });
 }

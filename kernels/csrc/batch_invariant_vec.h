@@ -74,6 +74,10 @@ struct Lanes16 {
     for (int64_t i = 0; i < kLanes; ++i) a.v[i] = a.v[i] + b.v[i];
     return a;
   }
+  static Lanes16 mul(Lanes16 a, Lanes16 b) {
+    for (int64_t i = 0; i < kLanes; ++i) a.v[i] = a.v[i] * b.v[i];
+    return a;
+  }
   void store(T* p) const { std::copy(v, v + kLanes, p); }
   static Lanes16 exp(Lanes16 x) {
     for (int64_t i = 0; i < kLanes; ++i) x.v[i] = exp_lane(x.v[i]);
@@ -114,6 +118,7 @@ struct Vec16 {
   static Vec16 broadcast(float x) { return {_mm512_set1_ps(x)}; }
   static Vec16 fma(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   static Vec16 add(Vec16 a, Vec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+  static Vec16 mul(Vec16 a, Vec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   static Vec16 exp(Vec16 x) {  // exp_lane, sixteen at a time
     using namespace exp_constants;
@@ -163,6 +168,9 @@ struct Vec16 {
   }
   static Vec16 add(Vec16 a, Vec16 b) {
     return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+  }
+  static Vec16 mul(Vec16 a, Vec16 b) {
+    return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
   }
   void store(float* p) const {
     _mm256_storeu_ps(p, lo);

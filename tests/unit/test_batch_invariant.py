@@ -149,6 +149,12 @@ def test_attention_is_sdpa_with_each_querys_bits_fixed_by_its_visible_keys(dtype
                                  attn_mask=additive), left)
     assert torch.equal(attention(q[1:, :, 30:31], k[1:, :, :31], v[1:, :, :31]),
                        causal[1:, :, 30:31])
+    # A mask of its own per head: each query head alone instead of with its key/value head's
+    # other queries; the same bits.
+    per_head = visible.expand(2, 4, 47, 47).contiguous()
+    assert torch.equal(attention(torch.cat([torch.zeros(2, 4, 7, 32, dtype=dtype), q], 2),
+                                 torch.cat([pad, k], 2), torch.cat([pad, v], 2),
+                                 attn_mask=per_head), left)
 
 
 def test_attention_gradients_are_sdpas():
