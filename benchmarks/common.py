@@ -103,14 +103,17 @@ def run_vllm(
     threads: int | None = None,
     repeats: int = 1,
     kv_cache_gib: int = 4,
+    dtype: str = "float32",
+    enforce_eager: bool = False,
     timeout_s: float = 3600.0,
 ) -> dict:
     """{"elapsed_s": [one per repeat], "num_tokens": N, "version": ...} of vLLM generating the
-    same workload (unseeded, EOS ignored) in a child process of its own venv."""
+    same workload (unseeded, EOS ignored) in a child process of its own venv; compiled (vLLM's
+    default) unless `enforce_eager`."""
     job = {"model": model_dir, "prompts": prompts, "n": n, "max_tokens": max_tokens,
            "max_model_len": max_model_len, "max_num_batched_tokens": max_num_batched_tokens,
            "threads": threads, "repeats": repeats, "max_num_seqs": max(256, len(prompts) * n),
-           "kv_cache_gib": kv_cache_gib}
+           "kv_cache_gib": kv_cache_gib, "dtype": dtype, "enforce_eager": enforce_eager}
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(job, f)
         f.flush()

@@ -1,7 +1,7 @@
 """One decode attention call on the CPU: ms per call and the KV bandwidth it reaches.
 
 A GRPO decode step of the `small` model's attention (8 query heads, 4 KV heads, head_dim 64,
-float32 cache, 16-token blocks, stored heads-major as the engine stores it on the CPU):
+float32 cache (`--dtype`), 16-token blocks (`--block-size`), stored heads-major as the engine stores it on the CPU):
 8 prompts x 8 samples, each prompt 64-256 tokens whose full blocks its samples share, then
 each sample's own generated tokens up to the context. The pool's free queue starts shuffled
 (a pool that has served earlier batches) and hands out blocks in the engine's order: each
@@ -31,7 +31,7 @@ import torch
 from kernels import AttentionMetadata, cpu_extension, kv_cache_layout
 from kernels.dispatch import paged_attention
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 16
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 4, 64
 NUM_PROMPTS, SAMPLES = 8, 8
 # Enough layers that one call's KV is out of L3 before the next call on that layer.
 MIN_CACHE_BYTES, MAX_LAYERS = 256 << 20, 8
@@ -43,6 +43,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--seconds", type=float, default=3.0, help="timed calls per context")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, nargs="+", default=[16],
+                        help="KV block sizes (tokens), one run each")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="query, cache and output dtype")
     parser.add_argument("--softcap", type=float, default=None,
                         help="logit softcap c: scores become c * tanh(s / c) (Gemma 2: 50)")
     parser.add_argument("--sinks", action="store_true",
@@ -50,12 +54,12 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def make_step(context: int, seed: int = 0):
+def make_step(context: int, seed: int = 0, block_size: int = 16, elem_bytes: int = 4):
     """One decode step with every sample at `context` tokens: (metadata, pool size, KV bytes)."""
     rng = random.Random(seed)
     prompt_lens = [min(rng.randint(64, 256), context - 1) for _ in range(NUM_PROMPTS)]
-    shared_blocks = [p // BLOCK_SIZE for p in prompt_lens]  # only full blocks are shared
-    total_blocks = -(-context // BLOCK_SIZE)
+    shared_blocks = [p // block_size for p in prompt_lens]  # only full blocks are shared
+    total_blocks = -(-context // block_size)
     needed = sum(s + SAMPLES * (total_blocks - s) for s in shared_blocks)
     pool = needed + needed // 10
     free = list(range(pool))
@@ -72,27 +76,27 @@ def make_step(context: int, seed: int = 0):
             if len(table) == block:
                 table.append(free.pop())
     metadata = AttentionMetadata.build([1] * len(tables), [context] * len(tables), tables,
-                                       BLOCK_SIZE)
-    kv_tokens = sum(s * BLOCK_SIZE + SAMPLES * (context - s * BLOCK_SIZE) for s in shared_blocks)
-    return metadata, pool, kv_tokens * NUM_KV_HEADS * HEAD_DIM * 4 * 2
+                                       block_size)
+    kv_tokens = sum(s * block_size + SAMPLES * (context - s * block_size) for s in shared_blocks)
+    return metadata, pool, kv_tokens * NUM_KV_HEADS * HEAD_DIM * elem_bytes * 2
 
 
-def make_caches(num_blocks: int) -> torch.Tensor:
+def make_caches(num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
     """Several layers' caches, stored heads-major like the engine's CPU cache:
     [layers, 2, num_blocks, bs, Hkv, D]."""
-    layer_bytes = 2 * num_blocks * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 4
+    layer_bytes = 2 * num_blocks * block_size * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
     num_layers = max(2, min(MAX_LAYERS, -(-MIN_CACHE_BYTES // layer_bytes)))
     layout = kv_cache_layout(torch.device("cpu"))
-    storage = torch.randn(layout.storage_shape(num_layers, num_blocks, BLOCK_SIZE, NUM_KV_HEADS,
-                                               HEAD_DIM))
+    storage = torch.randn(layout.storage_shape(num_layers, num_blocks, block_size, NUM_KV_HEADS,
+                                               HEAD_DIM), dtype=dtype)
     return layout.logical_view(storage)
 
 
 def run(context: int, seconds: float, seed: int, softcap: float | None = None,
-        sinks: bool = False) -> dict:
-    metadata, num_blocks, kv_bytes = make_step(context, seed)
-    caches = make_caches(num_blocks)
-    query = torch.randn(metadata.num_reqs, NUM_HEADS, HEAD_DIM)
+        sinks: bool = False, block_size: int = 16, dtype: torch.dtype = torch.float32) -> dict:
+    metadata, num_blocks, kv_bytes = make_step(context, seed, block_size, dtype.itemsize)
+    caches = make_caches(num_blocks, block_size, dtype)
+    query = torch.randn(metadata.num_reqs, NUM_HEADS, HEAD_DIM, dtype=dtype)
     scale = HEAD_DIM**-0.5
     options = {"softcap": softcap, "sinks": torch.randn(NUM_HEADS) if sinks else None}
     start = time.perf_counter()
@@ -119,12 +123,15 @@ def main() -> None:
     features = "".join([f", softcap {args.softcap:g}" if args.softcap else "",
                         ", sinks" if args.sinks else ""])
     print(f"{NUM_PROMPTS} prompts x {SAMPLES} samples, {NUM_HEADS} heads / {NUM_KV_HEADS} KV heads,"
-          f" head_dim {HEAD_DIM}, float32, block {BLOCK_SIZE}, {args.threads} threads{features}")
-    print(f"{'context':>8} {'ms/call':>9} {'GB/s':>7} {'KV MB':>8} {'first ms':>9} {'calls':>6}")
-    for context in args.contexts:
-        r = run(context, args.seconds, args.seed, args.softcap, args.sinks)
-        print(f"{r['context']:>8} {r['ms']:>9.3f} {r['gbps']:>7.1f} {r['mb']:>8.1f}"
-              f" {r['plan_ms']:>9.2f} {r['calls']:>6}")
+          f" head_dim {HEAD_DIM}, {args.dtype}, {args.threads} threads{features}")
+    print(f"{'block':>6} {'context':>8} {'ms/call':>9} {'GB/s':>7} {'KV MB':>8} {'first ms':>9}"
+          f" {'calls':>6}")
+    dtype = getattr(torch, args.dtype)
+    for block_size in args.block_size:
+        for context in args.contexts:
+            r = run(context, args.seconds, args.seed, args.softcap, args.sinks, block_size, dtype)
+            print(f"{block_size:>6} {r['context']:>8} {r['ms']:>9.3f} {r['gbps']:>7.1f}"
+                  f" {r['mb']:>8.1f} {r['plan_ms']:>9.2f} {r['calls']:>6}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ unseeded (a per-request seed crashes its CPU build). HF `generate` runs up to
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 import time
 from dataclasses import dataclass
@@ -61,6 +62,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, help="OpenMP threads of every system")
     parser.add_argument("--skip", nargs="*", default=[], choices=["vllm", "hf"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights, activations and KV of every system")
+    parser.add_argument("--vllm-modes", nargs="+", default=["compiled"],
+                        choices=["eager", "compiled"],
+                        help="vLLM runs: compiled (torch.compile, its default) and/or eager")
+    parser.add_argument("--block-size", type=int,
+                        help="our engine's KV block size (default: the engine's)")
     parser.add_argument("--hf-max-length", type=int, default=1024,
                         help="run HF generate only up to this many new tokens")
     return parser.parse_args()
@@ -73,7 +81,8 @@ def run_engine(model_dir: str, prompts, args, max_tokens: int) -> Run:
               max_num_seqs=num_rows, max_model_len=args.max_prompt_len + max_tokens + 16,
               kv_cache_bytes=kv_cache_bytes_for(model_dir, num_rows,
                                                 args.max_prompt_len + max_tokens),
-              cpu_threads=args.threads)
+              cpu_threads=args.threads, dtype=args.dtype,
+              **({"block_size": args.block_size} if args.block_size else {}))
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
                             seed=args.seed)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up
@@ -107,7 +116,7 @@ def run_hf_generate(model_dir: str, prompts, args, max_tokens: int) -> Run:
     """TRL's default path: one left-padded batch, `num_return_sequences=n`."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     input_ids, mask = left_padded(prompts)
     max_len = input_ids.shape[1]
     config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
@@ -118,13 +127,14 @@ def run_hf_generate(model_dir: str, prompts, args, max_tokens: int) -> Run:
     return Run(time.perf_counter() - start, (out.shape[1] - max_len) * out.shape[0])
 
 
-def run_vllm_peer(model_dir: str, prompts, args, max_tokens: int) -> Run:
+def run_vllm_peer(model_dir: str, prompts, args, max_tokens: int, eager: bool = False) -> Run:
     num_rows = len(prompts) * args.n
     kv_gib = kv_cache_bytes_for(model_dir, num_rows, args.max_prompt_len + max_tokens) / 1024**3
     result = run_vllm(model_dir, prompts, n=args.n, max_tokens=max_tokens,
                       max_model_len=args.max_prompt_len + max_tokens + 16,
                       max_num_batched_tokens=args.max_num_batched_tokens, threads=args.threads,
-                      kv_cache_gib=max(1, round(kv_gib + 0.5)))
+                      kv_cache_gib=max(1, round(kv_gib + 0.5)), dtype=args.dtype,
+                      enforce_eager=eager)
     return Run(result["elapsed_s"][0], result["num_tokens"])
 
 
@@ -145,7 +155,9 @@ def main() -> None:
         systems = {"rollout_engine": run_engine}
         if "vllm" not in args.skip:
             if vllm_available():
-                systems["vLLM (CPU build)"] = run_vllm_peer
+                for mode in args.vllm_modes:
+                    systems[f"vLLM (CPU build, {mode})"] = functools.partial(
+                        run_vllm_peer, eager=mode == "eager")
             else:
                 print(vllm_missing_note())
         if "hf" not in args.skip:

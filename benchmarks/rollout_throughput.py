@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -73,6 +74,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="also run the engine with CUDA graphs (a row of its own)")
+    parser.add_argument("--vllm-modes", nargs="+", default=["eager", "compiled"],
+                        choices=["eager", "compiled"],
+                        help="vLLM runs: eager and/or compiled (torch.compile, its default)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="weights and activations (default: float32 on CPU, bfloat16 on CUDA)")
     args = parser.parse_args()
@@ -182,11 +186,12 @@ def run_hf_generate_batch(model_dir: str, prompts, args) -> tuple[float, int]:
     return elapsed, sum(len(r.generated_tokens) for r in results.values())
 
 
-def run_vllm_peer(model_dir: str, prompts, args) -> tuple[float, int]:
-    """vLLM's CPU build on the same workload, in its own venv and process."""
+def run_vllm_peer(model_dir: str, prompts, args, eager: bool) -> tuple[float, int]:
+    """vLLM's CPU build on the same workload and dtype, in its own venv and process."""
     result = run_vllm(model_dir, prompts, n=args.n, max_tokens=args.max_tokens,
                       max_model_len=args.max_prompt_len + args.max_tokens + 16,
-                      max_num_batched_tokens=args.max_num_batched_tokens, threads=args.threads)
+                      max_num_batched_tokens=args.max_num_batched_tokens, threads=args.threads,
+                      dtype=args.dtype, enforce_eager=eager)
     return result["elapsed_s"][0], result["num_tokens"]
 
 
@@ -232,7 +237,9 @@ def main() -> None:
             )
         if "vllm" not in args.skip and args.device == "cpu":
             if vllm_available():
-                systems["vLLM (CPU build)"] = lambda: run_vllm_peer(model_dir, prompts, args)
+                for mode in args.vllm_modes:
+                    systems[f"vLLM (CPU build, {mode})"] = functools.partial(
+                        run_vllm_peer, model_dir, prompts, args, mode == "eager")
             else:
                 print(vllm_missing_note())
         if "generate" not in args.skip:

@@ -4,7 +4,8 @@ Started by `run_vllm` (benchmarks/common.py) with the interpreter of `.peers/vll
 peers`), as a plain script: it imports vLLM only, never this project, whose packages that venv
 lacks. The request comes as a JSON file:
 {"model": dir, "prompts": [[ids]], "n": 8, "max_tokens": 128, "max_model_len": 2048,
- "max_num_batched_tokens": 2048, "threads": 2, "repeats": 1}. The answer, on the last line of
+ "max_num_batched_tokens": 2048, "threads": 2, "repeats": 1, "dtype": "float32",
+ "enforce_eager": false}. `enforce_eager` false is vLLM's default (its graphs through torch.compile). The answer, on the last line of
 stdout: {"elapsed_s": [per repeat], "num_tokens": N, "version": "..."}.
 
 vLLM's CPU build runs unseeded here (a per-request seed crashes it on the CPU) and in one
@@ -31,7 +32,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     llm = LLM(
-        model=job["model"], dtype="float32", max_model_len=job["max_model_len"],
+        model=job["model"], dtype=job.get("dtype", "float32"),
+        enforce_eager=job.get("enforce_eager", False), max_model_len=job["max_model_len"],
         max_num_batched_tokens=job["max_num_batched_tokens"], enable_prefix_caching=True,
         max_num_seqs=job.get("max_num_seqs", 256), skip_tokenizer_init=False,
     )
