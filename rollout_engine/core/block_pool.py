@@ -9,6 +9,11 @@ from dataclasses import dataclass
 # The parent hash of a request's first block.
 ROOT_HASH = 0
 
+RUN_BLOCKS = 32
+"""A request's blocks come in runs of up to this many consecutive ids where the pool allows
+(`BlockPool.allocate`). Measured in the engine (8 x 8 samples to 2,048 new tokens, float32,
+16-token blocks, 2 threads): 767 tok/s without runs, 809 with runs of 8, 817 with 32."""
+
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     """Chained hash of one full block: depends on every token before it."""
@@ -52,18 +57,47 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
-    def allocate(self, num_blocks: int) -> list[KVBlock]:
-        """Take `num_blocks` blocks from the free queue (evicting cached content)."""
+    def allocate(self, num_blocks: int, after: int | None = None) -> list[KVBlock]:
+        """Take `num_blocks` blocks from the free queue (evicting cached content).
+
+        `after` is the id of the request's last block: the new blocks continue it where the
+        pool allows. The CPU attention reads a request's blocks fastest when they are
+        consecutive ids (heads-major storage makes them one run of memory per KV head: a decode
+        step's attention over 8 x 8 sequences at a 4,096-token context, 23 ms against 33 ms for
+        scattered 16-token blocks, `benchmarks.cpu_attention`), but requests that grow in step
+        would take turns with the ids. So each block is the id after the previous one when that id is free and holds no cached prefix; otherwise the queue's head, and up
+        to RUN_BLOCKS - 1 ids after it that are free and uncached move to the queue's tail, left
+        for this request's next blocks unless the pool needs them first. Uncached free blocks
+        hold nothing worth keeping, but moving them back means a cached block ahead of them is
+        reused sooner under memory pressure.
+        """
         assert num_blocks <= len(self._free), f"need {num_blocks}, have {len(self._free)} free"
         allocated = []
         for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
+            block_id = self._take_free(after)
+            after = block_id
             block = self.blocks[block_id]
             assert block.ref_count == 0, f"free block {block_id} has ref_count {block.ref_count}"
             self._evict(block)
             block.ref_count = 1
             allocated.append(block)
         return allocated
+
+    def _take_free(self, after: int | None) -> int:
+        """A free block's id, out of the queue: `after + 1` if it is free and uncached, else
+        the queue's head, its next ids kept back for the same request (see `allocate`)."""
+        if after is not None and self._is_free_and_uncached(after + 1):
+            del self._free[after + 1]
+            return after + 1
+        block_id, _ = self._free.popitem(last=False)
+        for next_id in range(block_id + 1, min(block_id + RUN_BLOCKS, self.num_blocks)):
+            if not self._is_free_and_uncached(next_id):
+                break
+            self._free.move_to_end(next_id)
+        return block_id
+
+    def _is_free_and_uncached(self, block_id: int) -> bool:
+        return block_id in self._free and self.blocks[block_id].block_hash is None
 
     def free(self, blocks: Sequence[KVBlock]) -> None:
         """Drop one reference to each block; blocks reaching zero go to the queue's tail.

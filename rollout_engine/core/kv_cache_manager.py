@@ -119,7 +119,10 @@ class KVCacheManager:
         self.holds.release_hit(new_computed_blocks)
         new_blocks = list(new_computed_blocks)
         if num_needed > 0:
-            new_blocks += self.block_pool.allocate(num_needed)
+            # After the request's last block (a cache hit's, if this step brought any).
+            last = new_blocks[-1] if new_blocks else (blocks[-1] if blocks else None)
+            new_blocks += self.block_pool.allocate(
+                num_needed, after=last.block_id if last is not None else None)
         blocks.extend(new_blocks)
         block_ids.extend(b.block_id for b in new_blocks)
         if self.enable_prefix_caching and not delay_cache_blocks:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollout_engine.core import block_pool as block_pool_module
-from rollout_engine.core.block_pool import ROOT_HASH, BlockPool, hash_block
+from rollout_engine.core.block_pool import ROOT_HASH, RUN_BLOCKS, BlockPool, hash_block
 
 
 def free_order(pool: BlockPool) -> list[int]:
@@ -166,3 +166,36 @@ def test_reset_prefix_cache_forgets_everything_and_keeps_ref_counts() -> None:
     # Blocks can be cached again afterwards.
     pool.cache(used, ROOT_HASH, [1])
     assert pool.lookup(ROOT_HASH, [1]) is used
+
+
+def test_requests_growing_in_turn_each_get_consecutive_ids() -> None:
+    # Two requests taking a block each in turn, as decoding sequences do: without runs their
+    # ids would alternate (0, 2, 4 / 1, 3, 5) and the CPU attention would read them scattered.
+    pool = BlockPool(4 * RUN_BLOCKS)
+    tables: list[list[int]] = [[], []]
+    for _ in range(RUN_BLOCKS + 2):
+        for table in tables:
+            after = table[-1] if table else None
+            table += [b.block_id for b in pool.allocate(1, after=after)]
+    first, second = tables
+    assert first[:RUN_BLOCKS] == list(range(RUN_BLOCKS))
+    assert second[:RUN_BLOCKS] == list(range(RUN_BLOCKS, 2 * RUN_BLOCKS))
+    # Past its run a request goes on after the other's run, and its next run is kept for it.
+    assert first[RUN_BLOCKS:] == [2 * RUN_BLOCKS, 2 * RUN_BLOCKS + 1]
+    assert second[RUN_BLOCKS:] == [3 * RUN_BLOCKS, 3 * RUN_BLOCKS + 1]
+
+
+def test_a_run_never_takes_a_cached_block_out_of_its_turn() -> None:
+    pool = BlockPool(8)
+    blocks = pool.allocate(3)
+    pool.cache(blocks[1], ROOT_HASH, [1])
+    pool.free(blocks[1:])  # block 1 cached and free, block 2 free
+    (nxt,) = pool.allocate(1, after=0)
+    assert nxt.block_id != 1 and pool.lookup(ROOT_HASH, [1]) is blocks[1]
+
+
+def test_kept_back_blocks_still_serve_when_the_pool_runs_short() -> None:
+    pool = BlockPool(2 * RUN_BLOCKS)
+    taken = [pool.allocate(1)[0] for _ in range(2 * RUN_BLOCKS)]  # no request continues
+    assert sorted(b.block_id for b in taken) == list(range(2 * RUN_BLOCKS))
+    assert pool.num_free_blocks == 0
