@@ -1,7 +1,8 @@
 """One decode attention call on the CPU: ms per call and the KV bandwidth it reaches.
 
 A GRPO decode step of the `small` model's attention (8 query heads, 4 KV heads, head_dim 64,
-float32 cache (`--dtype`), 16-token blocks (`--block-size`), stored heads-major as the engine stores it on the CPU):
+float32 cache (`--dtype`), 16-token blocks (`--block-size`), stored heads-major as the engine
+stores it on the CPU):
 8 prompts x 8 samples, each prompt 64-256 tokens whose full blocks its samples share, then
 each sample's own generated tokens up to the context. The pool's free queue starts shuffled
 (a pool that has served earlier batches) and hands out blocks in the engine's order: each

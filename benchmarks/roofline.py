@@ -57,8 +57,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--threads", type=int, help="OpenMP threads (default: all cores)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--block-size", type=int,
-                        help="KV cache block size (tokens; default: the engine's)")
+    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
     parser.add_argument("--gemm-size", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -234,7 +233,7 @@ def run_workload(name: str, model_dir: str, args) -> WorkloadResult:
     max_len = longest + new_tokens + 16
     rows = num_prompts * n
     llm = LLM(model_dir, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-              **({"block_size": args.block_size} if args.block_size else {}),
+              block_size=args.block_size,
               max_num_seqs=rows, max_model_len=max_len, cpu_threads=args.threads,
               kv_cache_bytes=kv_cache_bytes_for(model_dir, rows, max_len, dtype))
     try:

@@ -5,8 +5,8 @@ peers`), as a plain script: it imports vLLM only, never this project, whose pack
 lacks. The request comes as a JSON file:
 {"model": dir, "prompts": [[ids]], "n": 8, "max_tokens": 128, "max_model_len": 2048,
  "max_num_batched_tokens": 2048, "threads": 2, "repeats": 1, "dtype": "float32",
- "enforce_eager": false}. `enforce_eager` false is vLLM's default (its graphs through torch.compile). The answer, on the last line of
-stdout: {"elapsed_s": [per repeat], "num_tokens": N, "version": "..."}.
+ "enforce_eager": false} (false: vLLM's default, its graphs through torch.compile). The answer,
+on the last line of stdout: {"elapsed_s": [per repeat], "num_tokens": N, "version": "..."}.
 
 vLLM's CPU build runs unseeded here (a per-request seed crashes it on the CPU) and in one
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set before vLLM is imported).
