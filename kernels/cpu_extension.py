@@ -1,6 +1,8 @@
 """The compiled CPU kernels, built on first use: paged attention
-(`kernels/csrc/paged_attention_cpu.cpp`) and the batch-invariant linear layer and attention
-(`kernels/csrc/batch_invariant_cpu.cpp`, `batch_invariant_attention_cpu.cpp`).
+(`kernels/csrc/paged_attention_cpu.cpp`), the decoder's fused elementwise ops
+(`fused_ops_cpu.cpp`: RMSNorm with its residual add, rotary embedding, SiLU-and-mul) and the
+batch-invariant linear layer and attention (`batch_invariant_cpu.cpp`,
+`batch_invariant_attention_cpu.cpp`).
 
 It is compiled with the machine's C++ compiler through `torch.utils.cpp_extension` (for this
 CPU: `-O3 -march=native`) into torch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
@@ -24,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_attention_cpu.cpp", "batch_invariant_cpu.cpp",
+           for name in ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "batch_invariant_cpu.cpp",
                         "batch_invariant_attention_cpu.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name
            for name in ("cpu_vec.h", "batch_invariant_vec.h", "batch_invariant_amx.h")]
@@ -109,6 +111,38 @@ def paged_attention_short(
         group_starts, group_shared, float(scale), int(sliding_window or 0), out,
         float(softcap or 0.0), sinks,
     )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm of x's rows ([..., n], a unit stride on n; weight [n] of x's
+    dtype) as a new contiguous tensor (see `fused_ops_cpu.cpp` for the rounding)."""
+    return torch.ops.rollout_cpu.rms_norm(x, weight, float(eps))
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> None:
+    """In place: residual = x + residual, then x = rms_norm(residual) (both contiguous, one
+    shape and dtype)."""
+    torch.ops.rollout_cpu.add_rms_norm(x, residual, weight, float(eps))
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+           positions: torch.Tensor) -> None:
+    """In place: q [T, Hq, D] and k [T, Hk, D] rotated (rotate-half form) by the float32 table
+    cos_sin [2, P, D] at positions [T] (int64)."""
+    torch.ops.rollout_cpu.rotary(q, k, cos_sin, positions)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2 I] (gate | up) -> silu(gate) * up [..., I]."""
+    return torch.ops.rollout_cpu.silu_and_mul(gate_up)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key [T, Hkv, Dk] and value [T, Hkv, Dv] into their slots (slot_mapping [T], int64) of the
+    caches ([num_blocks, block_size, Hkv, D], any strides but a unit one on D), in place."""
+    torch.ops.rollout_cpu.store_kv(key, value, key_cache, value_cache, slot_mapping)
 
 
 def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor,

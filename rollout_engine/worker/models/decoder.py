@@ -18,7 +18,13 @@ from torch import nn
 
 from kernels import AttentionMetadata, paged_attention, store_kv_cache
 from rollout_engine.protocol import ModelLoadError
-from rollout_engine.worker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from rollout_engine.worker.models.layers import (
+    GatedMLP,
+    RMSNorm,
+    Rope,
+    RotaryEmbedding,
+    apply_rotary,
+)
 from rollout_engine.worker.models.packed_linear import PackedLinear
 from rollout_engine.worker.models.parallel_layers import (
     ColumnParallelLinear,
@@ -130,7 +136,7 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
@@ -144,7 +150,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        q, k = apply_rotary(q, k, rope)
         key_cache, value_cache = kv_cache  # [num_blocks, bs, Hkv, D] each
         store_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, metadata, self.scale,
@@ -164,9 +170,20 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, mlp_bias, tp,
                             config.hidden_act)
 
-    def forward(self, hidden, rope, kv_cache, metadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream before it is added): Hugging Face's
+        `h = h + attn(norm(h)); h + mlp(norm(h))` with each add carried to the norm after it,
+        so that the two can run as one op. `residual` None: `hidden` is the embedding."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -211,11 +228,13 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_caches: per layer (key_cache, value_cache), each
         [num_blocks, bs, Hkv, D] -> [T, hidden]."""
-        hidden = self.model.embed_tokens(input_ids)
+        hidden, residual = self.model.embed_tokens(input_ids), None
         rope = self.model.rotary_emb(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(hidden, rope, kv_cache, metadata)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, metadata)
+        if residual is None:  # no layers
+            return self.model.norm(hidden)
+        return self.model.norm.add_and_norm(hidden, residual)[0]
 
     @property
     def logits_weight(self) -> torch.Tensor:

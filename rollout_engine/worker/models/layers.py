@@ -1,18 +1,34 @@
-"""Building blocks shared by the decoder families: RMSNorm, rotary embedding, MLP."""
+"""Building blocks shared by the decoder families: RMSNorm, rotary embedding, MLP.
+
+On the CPU their elementwise work runs through the compiled fused kernels
+(`kernels/csrc/fused_ops_cpu.cpp`: one pass per op instead of a chain of torch ops), rounded
+where Hugging Face's torch ops round; elsewhere, without the compiled kernels, with autograd,
+or under batch invariance (whose trainer side runs Hugging Face's torch ops, so the engine
+runs exactly those), the torch ops themselves.
+"""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_extension
+from rollout_engine.batch_invariant import is_batch_invariant_mode_enabled
 from rollout_engine.worker.models.packed_linear import PackedLinear
 from rollout_engine.worker.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from rollout_engine.worker.models.tp_sharding import split_evenly
 from rollout_engine.worker.tp.tp_group import TPGroup
+
+
+def runs_fused(x: torch.Tensor) -> bool:
+    """Whether ops on `x` run through the compiled fused CPU kernels (see the module doc)."""
+    return (x.device.type == "cpu" and not x.requires_grad and cpu_extension.available()
+            and not is_batch_invariant_mode_enabled())
 
 
 class RMSNorm(nn.Module):
@@ -24,10 +40,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if runs_fused(x) and self.weight.dtype == x.dtype:
+            return cpu_extension.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor,
+                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): a residual connection and the norm after it. The
+        fused path writes both into x's and residual's memory (both the caller's to give)."""
+        if (runs_fused(x) and self.weight.dtype == x.dtype == residual.dtype
+                and x.is_contiguous() and residual.is_contiguous()):
+            cpu_extension.add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x + residual
+        return self(residual), residual
 
 
 ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
@@ -73,17 +102,38 @@ class RotaryEmbedding(nn.Module):
         """Recompute the table in place (after its memory was released)."""
         self.cos_sin.copy_(self._build().to(self.cos_sin))
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for these positions: [T, 1, head_dim] each, looked up once per step."""
-        cos = self.cos_sin[0, positions].to(dtype).unsqueeze(1)
-        sin = self.cos_sin[1, positions].to(dtype).unsqueeze(1)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """One step's rotary inputs for these positions."""
+        return Rope(self.cos_sin, positions, dtype)
+
+
+@dataclass
+class Rope:
+    """One step's rotary inputs, shared by its layers: the table and the tokens' positions."""
+
+    cos_sin: torch.Tensor
+    """[2, max_positions, head_dim]."""
+    positions: torch.Tensor
+    """[T]."""
+    dtype: torch.dtype
+
+    @functools.cached_property
+    def cos_and_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at the positions in the model dtype: [T, 1, head_dim] each, looked up once
+        per step (the torch path)."""
+        cos = self.cos_sin[0, self.positions].to(self.dtype).unsqueeze(1)
+        sin = self.cos_sin[1, self.positions].to(self.dtype).unsqueeze(1)
         return cos, sin
 
 
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, H, D], k: [T, Hkv, D], cos/sin: [T, 1, D] (Hugging Face's rotate-half form)."""
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, H, D], k: [T, Hkv, D] (Hugging Face's rotate-half form). The fused path rotates
+    them in place (views into the step's own projection output)."""
+    if (runs_fused(q) and rope.cos_sin.dtype == torch.float32
+            and rope.positions.dtype == torch.int64 and rope.positions.is_contiguous()):
+        cpu_extension.rotary(q, k, rope.cos_sin, rope.positions)
+        return q, k
+    cos, sin = rope.cos_and_sin
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -123,6 +173,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_gate_up is not None:
+            if self.act is F.silu and runs_fused(x):
+                return self.down_proj(cpu_extension.silu_and_mul(self.packed_gate_up(x, split=False)))
             gate, up = self.packed_gate_up(x)
             return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

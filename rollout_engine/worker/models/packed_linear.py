@@ -65,8 +65,10 @@ class PackedLinear:
     split_sizes: list[int] | None
     """Out features of each fused linear (None: one linear)."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """x: [..., in features] -> [..., out features] (split when fused)."""
+    def __call__(self, x: torch.Tensor,
+                 split: bool = True) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """x: [..., in features] -> [..., out features] (split when fused, unless `split` is
+        False)."""
         leading = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
         num_rows = x.shape[0]
@@ -75,7 +77,7 @@ class PackedLinear:
             x = torch.cat([x, x.new_zeros(bucket - num_rows, x.shape[1])])
         out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         out = out[:num_rows].reshape(*leading, -1)
-        return out if self.split_sizes is None else out.split(self.split_sizes, dim=-1)
+        return out if self.split_sizes is None or not split else out.split(self.split_sizes, -1)
 
     @property
     def num_bytes(self) -> int:
