@@ -105,15 +105,18 @@ def run_vllm(
     kv_cache_gib: int = 4,
     dtype: str = "float32",
     enforce_eager: bool = False,
+    greedy: bool = False,
     timeout_s: float = 3600.0,
 ) -> dict:
     """{"elapsed_s": [one per repeat], "num_tokens": N, "version": ...} of vLLM generating the
     same workload (unseeded, EOS ignored) in a child process of its own venv; compiled (vLLM's
-    default) unless `enforce_eager`."""
+    default) unless `enforce_eager`. `greedy`: one greedy sample per prompt instead, and
+    "token_ids" (one list per prompt) in the answer."""
     job = {"model": model_dir, "prompts": prompts, "n": n, "max_tokens": max_tokens,
            "max_model_len": max_model_len, "max_num_batched_tokens": max_num_batched_tokens,
            "threads": threads, "repeats": repeats, "max_num_seqs": max(256, len(prompts) * n),
-           "kv_cache_gib": kv_cache_gib, "dtype": dtype, "enforce_eager": enforce_eager}
+           "kv_cache_gib": kv_cache_gib, "dtype": dtype, "enforce_eager": enforce_eager,
+           "greedy": greedy}
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(job, f)
         f.flush()

@@ -17,6 +17,9 @@ vLLM's CPU build (`make peers`, a venv of its own) runs side by side when it is 
 (unseeded: a per-request seed crashes it on the CPU); the script says so when it is not, and
 `--skip vllm` leaves it out.
 
+`--greedy-check` then samples every prompt greedily (n=1, the same new tokens) with the engine
+and with vLLM (eager) and says how many sequences are identical, and where the others part.
+
 `--repeats R` runs every system R times, rounds in turn, and keeps each one's best run (the
 machine's speed drifts by 20% over minutes). `--torch-attention` adds the engine without its
 compiled CPU attention kernel.
@@ -77,6 +80,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vllm-modes", nargs="+", default=["eager", "compiled"],
                         choices=["eager", "compiled"],
                         help="vLLM runs: eager and/or compiled (torch.compile, its default)")
+    parser.add_argument("--greedy-check", action="store_true",
+                        help="after the table: greedy tokens of the engine against vLLM's")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="weights and activations (default: float32 on CPU, bfloat16 on CUDA)")
     args = parser.parse_args()
@@ -251,7 +256,30 @@ def main() -> None:
                 model_dir, prompts, args
             )
         results = run_rounds(systems, args.repeats)
-    print_table(results)
+        print_table(results)
+        if args.greedy_check and vllm_available() and args.device == "cpu":
+            print_greedy_agreement(model_dir, prompts, args)
+
+
+def print_greedy_agreement(model_dir: str, prompts, args) -> None:
+    """Greedy tokens of the engine and of vLLM (eager) on every prompt, compared."""
+    llm = LLM(model_dir, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_seqs=len(prompts), kv_cache_bytes=2 * 1024**3, dtype=args.dtype,
+              cpu_threads=args.threads)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()
+    theirs = run_vllm(model_dir, prompts, n=1, max_tokens=args.max_tokens,
+                      max_model_len=args.max_prompt_len + args.max_tokens + 16,
+                      max_num_batched_tokens=args.max_num_batched_tokens, threads=args.threads,
+                      dtype=args.dtype, enforce_eager=True, greedy=True)["token_ids"]
+    parted = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+              for x, y in zip(ours, theirs) if list(x) != list(y)]
+    print(f"\ngreedy ({args.dtype}, {args.max_tokens} new tokens): {len(prompts) - len(parted)} "
+          f"of {len(prompts)} sequences identical to vLLM's"
+          + (f"; the others part at tokens {sorted(parted)}" if parted else ""))
 
 
 def run_rounds(systems: dict, repeats: int) -> dict[str, tuple[float, int]]:

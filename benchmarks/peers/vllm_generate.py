@@ -7,6 +7,8 @@ lacks. The request comes as a JSON file:
  "max_num_batched_tokens": 2048, "threads": 2, "repeats": 1, "dtype": "float32",
  "enforce_eager": false} (false: vLLM's default, its graphs through torch.compile). The answer,
 on the last line of stdout: {"elapsed_s": [per repeat], "num_tokens": N, "version": "..."}.
+With "greedy": true the job is one greedy sample per prompt instead (n ignored), and the answer
+also holds "token_ids", one list per prompt.
 
 vLLM's CPU build runs unseeded here (a per-request seed crashes it on the CPU) and in one
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set before vLLM is imported).
@@ -37,8 +39,10 @@ def main() -> None:
         max_num_batched_tokens=job["max_num_batched_tokens"], enable_prefix_caching=True,
         max_num_seqs=job.get("max_num_seqs", 256), skip_tokenizer_init=False,
     )
-    params = SamplingParams(n=job["n"], temperature=1.0, top_p=1.0, max_tokens=job["max_tokens"],
-                            ignore_eos=True, detokenize=False)
+    greedy = job.get("greedy", False)
+    params = SamplingParams(n=1 if greedy else job["n"], temperature=0.0 if greedy else 1.0,
+                            top_p=1.0, max_tokens=job["max_tokens"], ignore_eos=True,
+                            detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, detokenize=False))  # warm-up
     elapsed_s, num_tokens = [], 0
@@ -47,8 +51,10 @@ def main() -> None:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed_s.append(time.perf_counter() - start)
         num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    print(json.dumps({"elapsed_s": elapsed_s, "num_tokens": num_tokens,
-                      "version": vllm.__version__}))
+    answer = {"elapsed_s": elapsed_s, "num_tokens": num_tokens, "version": vllm.__version__}
+    if greedy:
+        answer["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
+    print(json.dumps(answer))
 
 
 if __name__ == "__main__":
