@@ -2,8 +2,8 @@
 
 On the CPU their elementwise work runs through the compiled fused kernels
 (`kernels/csrc/fused_ops_cpu.cpp`: one pass per op instead of a chain of torch ops), rounded
-where Hugging Face's torch ops round; elsewhere, without the compiled kernels, with autograd,
-or under batch invariance (whose trainer side runs Hugging Face's torch ops, so the engine
+where Hugging Face's torch ops round; elsewhere, without the compiled kernels, with gradients
+enabled (they have no backward), or under batch invariance (whose trainer side runs Hugging Face's torch ops, so the engine
 runs exactly those), the torch ops themselves.
 """
 
@@ -27,7 +27,7 @@ from rollout_engine.worker.tp.tp_group import TPGroup
 
 def runs_fused(x: torch.Tensor) -> bool:
     """Whether ops on `x` run through the compiled fused CPU kernels (see the module doc)."""
-    return (x.device.type == "cpu" and not x.requires_grad and cpu_extension.available()
+    return (x.device.type == "cpu" and not torch.is_grad_enabled() and cpu_extension.available()
             and not is_batch_invariant_mode_enabled())
 
 

@@ -20,6 +20,7 @@ from rollout_engine.config import EngineConfig
 from rollout_engine.protocol import ModelLoadError
 from rollout_engine.worker.kv_cache_spec import KVCacheSpec
 from rollout_engine.worker.models.decoder import DecoderForCausalLM
+from rollout_engine.worker.models.fused_norms import fuse_rms_norms
 from rollout_engine.worker.models.native_config import unimplemented_fields
 from rollout_engine.worker.models.packed_linear import (
     PackedCopies,
@@ -187,12 +188,14 @@ class TransformersBackend(ModelBackend):
         create_pool: PoolFactory, tp: TPGroup,
     ) -> tuple[TransformersForCausalLM, int]:
         """Built on the meta device, given the pool's storage, loaded, then probed once
-        (`check_runs`): a model it cannot run exactly is refused here, with the reason."""
+        (`check_runs`): a model it cannot run exactly is refused here, with the reason. Then its
+        RMSNorm modules that the fused CPU op computes exactly run on it (`fused_norms.py`)."""
         model = TransformersForCausalLM(self.hf_config, dtype)
         pool = create_pool(pool_nbytes(model, dtype))
         model.materialize(pool.allocate, device)
         model.load_checkpoint(model_dir)
         model.check_runs()
+        fuse_rms_norms(model)
         return model, pool.num_bytes
 
     def kv_cache_spec(
