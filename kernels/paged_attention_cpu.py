@@ -123,7 +123,8 @@ def store_kv_cache_cpu(
     """`store_kv_cache_ref`, through the compiled kernel when it is built, else with a fast path
     for heads-major caches (see KVCacheSpec); key and value rows may differ in width (key
     [T, Hkv, Dk], value [T, Hkv, Dv])."""
-    if cpu_extension.available() and slot_mapping.dtype == torch.int64:
+    if (cpu_extension.available() and slot_mapping.dtype == torch.int64
+            and key.dtype == key_cache.dtype and value.dtype == value_cache.dtype):
         return cpu_extension.store_kv(key, value, key_cache, value_cache, slot_mapping)
     key_heads_major = key_cache.permute(2, 0, 1, 3)  # [Hkv, num_blocks, bs, Dk]
     value_heads_major = value_cache.permute(2, 0, 1, 3)  # [Hkv, num_blocks, bs, Dv]

@@ -42,10 +42,13 @@ def test_engine_equals_the_torch_ops(monkeypatch, model_dir, dtype):
     if not cpu_extension.available():
         pytest.skip("no compiled CPU kernels here: the engine runs the torch ops anyway")
     calls = set()
+
+    def counted(name: str):
+        op = getattr(cpu_extension, name)
+        return lambda *args: calls.add(name) or op(*args)
+
     for name in FUSED_OPS:
-        monkeypatch.setattr(cpu_extension, name,
-                            lambda *a, name=name, op=getattr(cpu_extension, name):
-                            calls.add(name) or op(*a))
+        monkeypatch.setattr(cpu_extension, name, counted(name))
     fused = run(model_dir, dtype)
     assert calls == set(FUSED_OPS), "not every fused op ran"
     monkeypatch.setattr(layers, "runs_fused", lambda _x: False)
