@@ -3,8 +3,8 @@
 On the CPU their elementwise work runs through the compiled fused kernels
 (`kernels/csrc/fused_ops_cpu.cpp`: one pass per op instead of a chain of torch ops), rounded
 where Hugging Face's torch ops round; elsewhere, without the compiled kernels, with gradients
-enabled (they have no backward), or under batch invariance (whose trainer side runs Hugging Face's torch ops, so the engine
-runs exactly those), the torch ops themselves.
+enabled (they have no backward), or under batch invariance (whose trainer side runs Hugging
+Face's torch ops, so the engine runs exactly those), the torch ops themselves.
 """
 
 from __future__ import annotations
@@ -174,7 +174,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_gate_up is not None:
             if self.act is F.silu and runs_fused(x):
-                return self.down_proj(cpu_extension.silu_and_mul(self.packed_gate_up(x, split=False)))
+                gate_up = self.packed_gate_up(x, split=False)
+                return self.down_proj(cpu_extension.silu_and_mul(gate_up))
             gate, up = self.packed_gate_up(x)
             return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
