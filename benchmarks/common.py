@@ -31,6 +31,14 @@ def add_model_args(parser: argparse.ArgumentParser, arch: str = "qwen2") -> None
     parser.add_argument("--size", default="small", help="size preset of the built model")
 
 
+def add_vllm_modes_arg(parser: argparse.ArgumentParser, default: list[str]) -> None:
+    """--vllm-modes: which of vLLM's CPU build's runs, eager and/or compiled (torch.compile, its
+    default)."""
+    parser.add_argument("--vllm-modes", nargs="+", default=default,
+                        choices=["eager", "compiled"],
+                        help="vLLM runs: eager and/or compiled (torch.compile, its default)")
+
+
 def add_grpo_workload_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     """A GRPO batch: prompts of random lengths, n samples each, a fixed number of new tokens."""
     parser.add_argument("--num-prompts", type=int, default=32)

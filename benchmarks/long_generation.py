@@ -29,6 +29,7 @@ import torch
 from benchmarks.common import (
     add_grpo_workload_args,
     add_model_args,
+    add_vllm_modes_arg,
     kv_cache_bytes_for,
     left_padded,
     make_prompts,
@@ -64,9 +65,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip", nargs="*", default=[], choices=["vllm", "hf"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights, activations and KV of every system")
-    parser.add_argument("--vllm-modes", nargs="+", default=["compiled"],
-                        choices=["eager", "compiled"],
-                        help="vLLM runs: compiled (torch.compile, its default) and/or eager")
+    add_vllm_modes_arg(parser, default=["compiled"])
     parser.add_argument("--block-size", type=int,
                         help="our engine's KV block size (default: the engine's)")
     parser.add_argument("--hf-max-length", type=int, default=1024,

@@ -46,6 +46,7 @@ import torch
 from benchmarks.common import (
     add_grpo_workload_args,
     add_model_args,
+    add_vllm_modes_arg,
     left_padded,
     make_prompts,
     run_vllm,
@@ -77,9 +78,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="also run the engine with CUDA graphs (a row of its own)")
-    parser.add_argument("--vllm-modes", nargs="+", default=["eager", "compiled"],
-                        choices=["eager", "compiled"],
-                        help="vLLM runs: eager and/or compiled (torch.compile, its default)")
+    add_vllm_modes_arg(parser, default=["eager", "compiled"])
     parser.add_argument("--greedy-check", action="store_true",
                         help="after the table: greedy tokens of the engine against vLLM's")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
@@ -107,11 +106,15 @@ def run_engine(
             os.environ["ROLLOUT_ENGINE_CPU_KERNEL"] = switch
 
 
+def _engine(model_dir: str, args, max_num_seqs: int, **options) -> LLM:
+    return LLM(model_dir, max_num_batched_tokens=args.max_num_batched_tokens,
+               max_num_seqs=max_num_seqs, kv_cache_bytes=2 * 1024**3, device=args.device,
+               dtype=args.dtype, cpu_threads=args.threads, **options)
+
+
 def _run_engine(model_dir, prompts, args, cuda_graphs, async_scheduling) -> tuple[float, int]:
-    llm = LLM(model_dir, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=len(prompts) * args.n, kv_cache_bytes=2 * 1024**3,
-              device=args.device, dtype=args.dtype, cuda_graphs=cuda_graphs,
-              cpu_threads=args.threads, async_scheduling=async_scheduling)
+    llm = _engine(model_dir, args, len(prompts) * args.n, cuda_graphs=cuda_graphs,
+                  async_scheduling=async_scheduling)
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens,
                             ignore_eos=True, seed=args.seed)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up
@@ -193,11 +196,15 @@ def run_hf_generate_batch(model_dir: str, prompts, args) -> tuple[float, int]:
 
 def run_vllm_peer(model_dir: str, prompts, args, eager: bool) -> tuple[float, int]:
     """vLLM's CPU build on the same workload and dtype, in its own venv and process."""
-    result = run_vllm(model_dir, prompts, n=args.n, max_tokens=args.max_tokens,
-                      max_model_len=args.max_prompt_len + args.max_tokens + 16,
-                      max_num_batched_tokens=args.max_num_batched_tokens, threads=args.threads,
-                      dtype=args.dtype, enforce_eager=eager)
+    result = _vllm_job(model_dir, prompts, args, eager)
     return result["elapsed_s"][0], result["num_tokens"]
+
+
+def _vllm_job(model_dir: str, prompts, args, eager: bool, greedy: bool = False) -> dict:
+    return run_vllm(model_dir, prompts, n=args.n, max_tokens=args.max_tokens,
+                    max_model_len=args.max_prompt_len + args.max_tokens + 16,
+                    max_num_batched_tokens=args.max_num_batched_tokens, threads=args.threads,
+                    dtype=args.dtype, enforce_eager=eager, greedy=greedy)
 
 
 @contextlib.contextmanager
@@ -263,18 +270,13 @@ def main() -> None:
 
 def print_greedy_agreement(model_dir: str, prompts, args) -> None:
     """Greedy tokens of the engine and of vLLM (eager) on every prompt, compared."""
-    llm = LLM(model_dir, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=len(prompts), kv_cache_bytes=2 * 1024**3, dtype=args.dtype,
-              cpu_threads=args.threads)
+    llm = _engine(model_dir, args, len(prompts))
     try:
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         llm.engine.shutdown()
-    theirs = run_vllm(model_dir, prompts, n=1, max_tokens=args.max_tokens,
-                      max_model_len=args.max_prompt_len + args.max_tokens + 16,
-                      max_num_batched_tokens=args.max_num_batched_tokens, threads=args.threads,
-                      dtype=args.dtype, enforce_eager=True, greedy=True)["token_ids"]
+    theirs = _vllm_job(model_dir, prompts, args, eager=True, greedy=True)["token_ids"]
     parted = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
               for x, y in zip(ours, theirs) if list(x) != list(y)]
     print(f"\ngreedy ({args.dtype}, {args.max_tokens} new tokens): {len(prompts) - len(parted)} "

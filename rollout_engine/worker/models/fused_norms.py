@@ -10,7 +10,7 @@ rows in the model's dtype, and only one whose outputs agree gets the fused forwa
 dtypes bit for bit but for a rare last-bit flip from the sum of squares' order, which a formula
 that rounds elsewhere exceeds many times over; in float32 within a few units in the last
 place). Under batch invariance, with autograd or off the CPU the module's own forward runs
-(`layers.runs_fused`).
+(`layers.fused_rms_norm`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kernels import cpu_extension
-from rollout_engine.worker.models.layers import runs_fused
+from rollout_engine.worker.models.layers import fused_rms_norm
 
 _EPSILON_NAMES = ("variance_epsilon", "eps", "epsilon")
 _PROBE_ROWS = 64
@@ -64,9 +64,8 @@ def _agrees(module: nn.Module, eps: float) -> bool:
         expected = module(x)
     except Exception:  # noqa: BLE001 - a norm that takes more than the rows (gated): not ours
         return False
-    if not isinstance(expected, torch.Tensor) or expected.shape != x.shape:
-        return False
-    if expected.dtype != weight.dtype:
+    if (not isinstance(expected, torch.Tensor) or expected.shape != x.shape
+            or expected.dtype != weight.dtype):
         return False
     got = cpu_extension.rms_norm(x, weight, eps)
     difference = (got.float() - expected.float()).abs()
@@ -79,9 +78,7 @@ def _agrees(module: nn.Module, eps: float) -> bool:
 
 def _fused_forward(module: nn.Module, own_forward, eps: float):
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = module.weight
-        if runs_fused(hidden_states) and hidden_states.dtype == weight.dtype:
-            return cpu_extension.rms_norm(hidden_states, weight, eps)
-        return own_forward(hidden_states)
+        fused = fused_rms_norm(hidden_states, module.weight, eps)
+        return own_forward(hidden_states) if fused is None else fused
 
     return forward

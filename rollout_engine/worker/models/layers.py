@@ -31,6 +31,13 @@ def runs_fused(x: torch.Tensor) -> bool:
             and not is_batch_invariant_mode_enabled())
 
 
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """Hugging Face's RMSNorm of x through the fused op, or None where the torch ops must run."""
+    if runs_fused(x) and weight.dtype == x.dtype:
+        return cpu_extension.rms_norm(x, weight, eps)
+    return None
+
+
 class RMSNorm(nn.Module):
     """Hugging Face's RMSNorm: normalise in fp32, scale in the input dtype."""
 
@@ -40,8 +47,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if runs_fused(x) and self.weight.dtype == x.dtype:
-            return cpu_extension.rms_norm(x, self.weight, self.eps)
+        fused = fused_rms_norm(x, self.weight, self.eps)
+        if fused is not None:
+            return fused
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
