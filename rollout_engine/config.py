@@ -172,6 +172,33 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served unmerged beside the base model (vLLM's names)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    """Adapters a step may run at once (device slots); a request whose adapter would make one
+    more waits for a slot to free."""
+    max_lora_rank: int = 16
+    """The largest rank an adapter may have."""
+    max_cpu_loras: int | None = None
+    """Adapters loaded from a path kept in host memory (None: `max_loras`); beyond that the
+    least recently used idle one is dropped and read again from its path when next asked."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        _require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        _require(
+            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+            f"max_cpu_loras must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}",
+        )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class MemoryConfig:
     """Sleep mode and memory accounting (see DESIGN.md, "Memory")."""
 
@@ -355,8 +382,17 @@ class EngineConfig:
     memory_config: MemoryConfig = field(default_factory=MemoryConfig)
     kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
+        if self.lora_config.enable_lora:
+            _require(not self.model_config.batch_invariant,
+                     "enable_lora is not supported with batch_invariant yet; turn one of them off")
+            _require(not self.model_config.cuda_graphs,
+                     "enable_lora is not supported with cuda_graphs yet; turn one of them off")
+            _require(self.kv_transfer_config.kv_role is None,
+                     "enable_lora is not supported with KV transfers (kv_role) yet; turn one of "
+                     "them off")
         if self.parallel_config.tensor_parallel_size == 1:
             return
         _require(
@@ -372,6 +408,10 @@ class EngineConfig:
             self.kv_transfer_config.kv_role is None,
             "KV transfers (kv_role) are not supported with tensor_parallel_size > 1; turn "
             "one of them off",
+        )
+        _require(
+            not self.lora_config.enable_lora,
+            "enable_lora is not supported with tensor_parallel_size > 1 yet; turn one of them off",
         )
 
     @classmethod
@@ -393,6 +433,7 @@ class EngineConfig:
             memory_config=MemoryConfig(**groups["memory_config"]),
             kv_transfer_config=KVTransferConfig(**groups["kv_transfer_config"]),
             parallel_config=ParallelConfig(**groups["parallel_config"]),
+            lora_config=LoRAConfig(**groups["lora_config"]),
         )
 
 
@@ -414,6 +455,7 @@ _GROUPS: dict[str, type] = {
     "memory_config": MemoryConfig,
     "kv_transfer_config": KVTransferConfig,
     "parallel_config": ParallelConfig,
+    "lora_config": LoRAConfig,
 }
 _FIELD_OWNER: dict[str, str] = {
     f.name: group

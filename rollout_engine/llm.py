@@ -22,6 +22,8 @@ from rollout_engine.parsing.chat_params import (
 from rollout_engine.protocol import (
     EngineBusyError,
     InvalidRequestError,
+    LoRAError,
+    LoRARequest,
     RequestOutput,
     RequestOutputKind,
     SamplingParams,
@@ -60,16 +62,21 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order; `outputs[i].outputs[j]` is sample j."""
+        """One RequestOutput per prompt, in order; `outputs[i].outputs[j]` is sample j.
+        `lora_request`: the LoRA adapter all prompts run under, or one per prompt (None: the
+        base model); with `enable_lora`."""
         self._check_not_paused()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         params = _per_prompt_params(sampling_params, len(prompts))
+        loras = _per_prompt_loras(lora_request, len(prompts))
         request_ids = [f"gen-{next(self._ids)}" for _ in prompts]
         try:
-            for request_id, prompt, p in zip(request_ids, prompts, params):
-                self.engine.add_request(request_id, prompt, p, RequestOutputKind.FINAL_ONLY)
+            for request_id, prompt, p, lora in zip(request_ids, prompts, params, loras):
+                self.engine.add_request(request_id, prompt, p, RequestOutputKind.FINAL_ONLY,
+                                        lora_request=lora)
             outputs = self._run(request_ids, sum(p.n for p in params), use_tqdm)
             self._drain()  # async scheduling: a step launched after the last output lands
             return outputs
@@ -263,6 +270,15 @@ class LLM:
                 ):
                     drained[output.request_id].append(output)
         return [output for gid in group_ids for output in drained[gid]]
+
+
+def _per_prompt_loras(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                      num_prompts: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if isinstance(lora_request, (str, bytes)) or len(lora_request) != num_prompts:
+        raise LoRAError(f"lora_request must be a LoRARequest or one per prompt ({num_prompts})")
+    return list(lora_request)
 
 
 def _per_prompt_params(

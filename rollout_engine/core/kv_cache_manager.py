@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rollout_engine.core.block_pool import ROOT_HASH, BlockPool, KVBlock, hash_block
+from rollout_engine.core.block_pool import BlockPool, KVBlock, hash_block, root_hash
 from rollout_engine.core.kv_holds import KVHolds
 from rollout_engine.core.request import Request
 
@@ -79,7 +79,7 @@ class KVCacheManager:
             return [], 0
         bs = self.block_size
         max_hit_blocks = request.max_prefix_hit_tokens // bs
-        parent_hash, hits = ROOT_HASH, []
+        parent_hash, hits = root_hash(request.lora_id), []
         for i in range(max_hit_blocks):
             token_ids = request.all_token_ids[i * bs : (i + 1) * bs]
             block = self.block_pool.lookup(parent_hash, token_ids)
@@ -142,7 +142,7 @@ class KVCacheManager:
         blocks = self._blocks[request.request_id]
         bs = self.block_size
         for i in range(self._num_cached_blocks.get(request.request_id, 0), num_full_blocks):
-            parent_hash = hashes[i - 1] if i else ROOT_HASH
+            parent_hash = hashes[i - 1] if i else root_hash(request.lora_id)
             token_ids = request.all_token_ids[i * bs : (i + 1) * bs]
             self.block_pool.cache(blocks[i], parent_hash, token_ids)
         self._num_cached_blocks[request.request_id] = max(
@@ -192,7 +192,7 @@ class KVCacheManager:
         hashes = self._block_hashes.setdefault(request.request_id, [])
         bs = self.block_size
         for i in range(len(hashes), num_full_blocks):
-            parent_hash = hashes[-1] if hashes else ROOT_HASH
+            parent_hash = hashes[-1] if hashes else root_hash(request.lora_id)
             hashes.append(hash_block(parent_hash, request.all_token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
@@ -204,7 +204,7 @@ class KVCacheManager:
         for i in range(num_known, len(hashes)):
             if hashes[i] in self._pending or blocks[i].block_hash is not None:
                 continue
-            parent_hash = hashes[i - 1] if i else ROOT_HASH
+            parent_hash = hashes[i - 1] if i else root_hash(request.lora_id)
             token_ids = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
             self._pending[hashes[i]] = _PendingBlock(blocks[i], parent_hash, token_ids)
 

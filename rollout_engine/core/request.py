@@ -49,6 +49,7 @@ class Request:
         stop_checker: StopChecker | None = None,
         bad_words_token_ids: Sequence[Sequence[int]] = (),
         prompt_logprobs_start: int = 0,
+        lora_id: int = 0,
     ) -> None:
         assert len(prompt_token_ids) > 0, "a request needs at least one prompt token"
         self.request_id = request_id
@@ -72,6 +73,10 @@ class Request:
             [None] * len(prompt_token_ids) if prompt_logprobs_start else None
         )
         """Per prompt position, filled as its prompt's chunks land (position 0 has none)."""
+        self.lora_id = lora_id
+        """The LoRA adapter it runs under (the engine's id of a loaded adapter; 0: the base
+        model): its prefix-cache entries are its adapter's, and a step runs at most
+        `max_loras` adapters."""
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0

@@ -45,12 +45,15 @@ class Scheduler:
         speculative_config: SpeculativeConfig | None = None,
         limits: RuntimeLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_loras: int = 0,
     ) -> None:
         num_blocks = limits.num_blocks if limits else cache_config.num_blocks
         max_model_len = limits.max_model_len if limits else scheduler_config.max_model_len
         if num_blocks is None or max_model_len is None:
             raise ValueError("pass RuntimeLimits, or set cache num_blocks and max_model_len")
         self.config = scheduler_config
+        self.max_loras = max_loras
+        """LoRA adapters the running requests may use at once (0: LoRA off)."""
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(limits.eos_token_ids if limits else ())
@@ -104,9 +107,16 @@ class Scheduler:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self._check_fits(request)
+        if request.lora_id and not self.max_loras:
+            raise InvalidRequestError("a LoRA request on a scheduler without LoRA (max_loras 0)")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def lora_ids_in_use(self) -> set[int]:
+        """LoRA adapters that unfinished requests, or steps still in flight, run under."""
+        requests = [*self.requests.values(), *self._finished_in_flight.values()]
+        return {r.lora_id for r in requests if r.lora_id}
 
     def finish_requests(self, request_ids: Iterable[str], reason: FinishReason = "abort") -> None:
         """End requests from outside (abort); unknown or finished ids are ignored."""
@@ -328,12 +338,18 @@ class Scheduler:
         prefilling_groups = in_flight_groups | {
             r.group_id for r in self.running if self._is_prefilling_prompt(r)
         } | {r.group_id for r in self.kv_connector.loading_requests}
+        running_loras = {r.lora_id for r in self.running if r.lora_id}
         while (self.waiting and step.num_tokens_left > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             grammar = request.grammar
             if grammar is not None and (not grammar.is_ready or grammar.error is not None):
                 # Compiling (the others go on), or failed to: the engine ends it.
+                held_back.append(self.waiting.popleft())
+                continue
+            if (request.lora_id and request.lora_id not in running_loras
+                    and len(running_loras) >= self.max_loras):
+                # Its adapter would be one more than the worker's slots: wait for one to free.
                 held_back.append(self.waiting.popleft())
                 continue
             if request.group_id in prefilling_groups and request.num_computed_tokens == 0:
@@ -362,6 +378,8 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora_id:
+                running_loras.add(request.lora_id)
             step.add(request, num_new, self.kv_cache_manager.get_block_ids(request.request_id))
             if self._is_prefilling_prompt(request):
                 prefilling_groups.add(request.group_id)

@@ -30,6 +30,8 @@ class NewRequestData:
     """`SamplingParams.bad_words` as token id sequences (tokenized by the engine)."""
     prompt_logprobs_start: int = 0
     """The first prompt position whose logprob the worker computes (0: none)."""
+    lora_id: int = 0
+    """The LoRA adapter it runs under (the engine's id of a loaded adapter; 0: the base)."""
 
 
 @dataclass

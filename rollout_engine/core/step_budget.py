@@ -108,6 +108,7 @@ class StepBudget:
                 sample_index=request.sample_index,
                 bad_words_token_ids=request.bad_words_token_ids,
                 prompt_logprobs_start=request.prompt_logprobs_start,
+                lora_id=request.lora_id,
             ))
             new_token_ids = []
         else:

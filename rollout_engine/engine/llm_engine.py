@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from memory import MemoryEventLog
@@ -14,6 +15,7 @@ from rollout_engine.engine.engine_control import EngineControl, EngineMode
 from rollout_engine.engine.engine_info import engine_info, engine_stats
 from rollout_engine.engine.input_processor import InputProcessor
 from rollout_engine.engine.kv_connector import EngineKVConnector
+from rollout_engine.engine.lora_registry import LoRARegistry
 from rollout_engine.engine.output_processor import OutputProcessor
 from rollout_engine.engine.request_stats import RequestStats, RequestStatsSnapshot
 from rollout_engine.engine.step_executor import make_executor, run_here
@@ -22,6 +24,7 @@ from rollout_engine.engine.step_landing import StepLander
 from rollout_engine.protocol import (
     EngineInfo,
     InvalidRequestError,
+    LoRARequest,
     MemoryState,
     RequestOutput,
     RequestOutputKind,
@@ -69,8 +72,11 @@ class LLMEngine:
     def _init_scheduler(self, max_model_len: int) -> None:
         config = self.config
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, config.speculative_config, self.limits
+            config.scheduler_config, config.cache_config, config.speculative_config, self.limits,
+            max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else 0,
         )
+        self.loras = LoRARegistry(config.lora_config, self.worker, self._lora_ids_in_use)
+        """LoRA adapters by name and id (`enable_lora`)."""
         self.scheduler.weight_version = self.weight_version
         self.async_scheduling = config.scheduler_config.async_scheduling
         self.drafter: SpecDecoder | None = None
@@ -128,16 +134,20 @@ class LLMEngine:
         sampling_params: SamplingParams,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
         prompt_logprobs_from: int = 1,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue `sampling_params.n` completions of one prompt; bad input raises at once and
         queues none. `output_kind`: what the prompt's outputs from `step()` carry (see
-        RequestOutputKind); `prompt_logprobs_from`: see `InputProcessor.process`."""
+        RequestOutputKind); `prompt_logprobs_from`: see `InputProcessor.process`;
+        `lora_request`: the LoRA adapter they run under (loaded first if it is not)."""
         if request_id in self.output_processor:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not self.scheduler.is_paused:  # paused: it queues for the resume, even mid-update
             self.worker.check_ready()
         spec = self.processor.process(request_id, prompt, sampling_params, output_kind,
                                       prompt_logprobs_from, self.kv_connector)
+        if lora_request is not None:
+            spec = dataclasses.replace(spec, lora_id=self.loras.resolve(lora_request))
         group = spec.new_group()
         self._queue(group.children)
         self.output_processor.add(group)
@@ -150,6 +160,22 @@ class LLMEngine:
             except Exception:
                 self.scheduler.finish_requests([r.request_id for r in requests[:i]])
                 raise
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter from its path (vLLM's `add_lora`); False if it is loaded."""
+        return self.loras.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter; False if none has this id."""
+        return self.loras.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The `lora_int_id`s of the loaded adapters (vLLM's `list_loras`)."""
+        return {request.lora_int_id for request in self.loras.list()}
+
+    def _lora_ids_in_use(self) -> set[int]:
+        """Adapters of unfinished requests, and of finished ones a step in flight still runs."""
+        return self.scheduler.lora_ids_in_use()
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """End prompts now; their outputs come back from the next `step()` as "abort"."""

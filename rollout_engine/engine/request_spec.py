@@ -35,6 +35,8 @@ class RequestSpec:
     """Decodes each completion's text and finds its stop strings (None: nothing decoded)."""
     prompt_logprobs_start: int
     """With `prompt_logprobs`: the first prompt position asked for (0: none asked)."""
+    lora_id: int = 0
+    """The LoRA adapter its requests run under (the engine's id; 0: the base model)."""
 
     def new_group(self) -> RequestGroup:
         """The prompt's `n` requests, as the scheduler takes them, and their completions' text.
@@ -52,6 +54,7 @@ class RequestSpec:
                 stop_checker=None if text is None else text.stop_checker,
                 bad_words_token_ids=self.bad_words_token_ids,
                 prompt_logprobs_start=self.prompt_logprobs_start if j == 0 else 0,
+                lora_id=self.lora_id,
             ))
             texts.append(text)
         return RequestGroup(self.request_id, self.prompt, list(self.prompt_token_ids),

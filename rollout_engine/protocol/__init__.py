@@ -27,6 +27,7 @@ from rollout_engine.protocol.exceptions import (  # noqa: F401
     InvalidArgumentError,
     InvalidRequestError,
     KVTransferError,
+    LoRAError,
     ModelLoadError,
     OutOfBlocksError,
     RankFailedError,
@@ -37,6 +38,7 @@ from rollout_engine.protocol.exceptions import (  # noqa: F401
     WeightUpdateError,
     error_from_status,
 )
+from rollout_engine.protocol.lora import LoRARequest  # noqa: F401
 from rollout_engine.protocol.outputs import (  # noqa: F401
     CompletionOutput,
     FinishReason,

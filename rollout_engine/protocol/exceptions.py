@@ -92,6 +92,12 @@ class WeightUpdateError(InvalidArgumentError):
     """A weight update was refused (unknown name, wrong shape or dtype, incomplete)."""
 
 
+class LoRAError(InvalidArgumentError):
+    """A LoRA adapter was refused: its files, its config (DoRA, modules to save, a bias), a
+    module the model has not, a shape that does not fit, a rank above `max_lora_rank`, an
+    unknown or reused name or id, or LoRA not enabled."""
+
+
 class KVTransferError(InvalidArgumentError):
     """A KV transfer handle this engine cannot use: its role, a layout, model or weight
     version that differs from the prefill engine's, or a prompt that is not the one
@@ -141,7 +147,7 @@ ERROR_TYPES: dict[str, type[EngineError]] = {
         CancelledError, InvalidRequestError, ModelLoadError, WeightUpdateError,
         EngineSleepingError, EngineBusyError, OutOfBlocksError, AdmissionError,
         DeviceOutOfMemoryError,
-        StepFailedError, RankFailedError, KVTransferError, GrammarDeadEndError,
+        StepFailedError, RankFailedError, KVTransferError, GrammarDeadEndError, LoRAError,
     )
 }
 _ERRORS_BY_CODE: dict[str, type[EngineError]] = {

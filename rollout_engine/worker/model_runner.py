@@ -16,6 +16,7 @@ from rollout_engine.protocol import StepFailedError
 from rollout_engine.worker.cuda_graphs import DecodeGraphs
 from rollout_engine.worker.fault_injection import FaultInjector
 from rollout_engine.worker.kv_cache_spec import PagedKVCache
+from rollout_engine.worker.lora.slots import LoRASlots
 from rollout_engine.worker.models.packed_linear import PackedCopies
 from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
 from rollout_engine.worker.sampling.prompt_logprobs import compute_prompt_logprobs
@@ -56,8 +57,11 @@ class ModelRunner:
         is_driver: bool = True,
         packed_weights: PackedCopies | None = None,
         batch_invariant: bool = False,
+        lora: LoRASlots | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
+        """With LoRA enabled: each step's tokens are grouped by adapter before its forward."""
         self.batch_invariant = batch_invariant
         """Steps run in `set_batch_invariant_mode()` (`ModelConfig.batch_invariant`)."""
         self.packed_weights = packed_weights
@@ -153,6 +157,8 @@ class ModelRunner:
             self.fault_injector.arm(prepared.requests)
         if self._use_graphs(step):
             hidden = self.decode_graphs.run(step.input_ids, step.positions, step.metadata)
+        elif self.lora is not None:
+            hidden = self._forward_with_lora(prepared.requests, step)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
         prompt_logprobs = {}
@@ -185,6 +191,21 @@ class ModelRunner:
                           if res.top_logprobs is not None},
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _forward_with_lora(self, requests: list[StepRequest], step: StepInputs) -> torch.Tensor:
+        """The forward with the step's tokens grouped by the adapter their request runs under
+        (rows in request order, as `build_step_inputs` lays them out)."""
+        runs, row = [], 0
+        for request in requests:
+            num_rows = len(request.input_token_ids)
+            if request.lora_id:
+                runs.append((request.lora_id, row, row + num_rows))
+            row += num_rows
+        self.lora.begin_step(runs, row)
+        try:
+            return self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+        finally:
+            self.lora.end_step()
 
     def _use_graphs(self, step: StepInputs) -> bool:
         graphs = self.decode_graphs

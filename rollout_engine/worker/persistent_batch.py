@@ -38,6 +38,8 @@ class RequestState:
     """Its row of `PersistentBatch.table`."""
     bad_words_token_ids: list[list[int]]
     prompt_logprobs_start: int
+    lora_id: int = 0
+    """The LoRA adapter it runs under (0: the base model)."""
 
 
 @dataclass
@@ -66,6 +68,8 @@ class StepRequest:
     bad_words_token_ids: list[list[int]]
     prompt_logprobs_start: int
     """The first prompt position whose logprob is asked for (0: none)."""
+    lora_id: int = 0
+    """The LoRA adapter it runs under (0: the base model)."""
 
 
 class PersistentBatch:
@@ -123,6 +127,7 @@ class PersistentBatch:
                 token_ids=state.token_ids,
                 bad_words_token_ids=state.bad_words_token_ids,
                 prompt_logprobs_start=state.prompt_logprobs_start,
+                lora_id=state.lora_id,
             ))
         return step
 
@@ -162,6 +167,7 @@ class PersistentBatch:
             row=self._free_rows.pop(),
             bad_words_token_ids=new.bad_words_token_ids,
             prompt_logprobs_start=new.prompt_logprobs_start,
+            lora_id=new.lora_id,
         )
 
     def _append_blocks(self, state: RequestState, block_ids: list[int]) -> None:

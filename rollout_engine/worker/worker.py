@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -11,7 +12,7 @@ from memory import MemoryEventLog
 from rollout_engine.batch_invariant import drop_packed_weights
 from rollout_engine.config import EngineConfig
 from rollout_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from rollout_engine.protocol import MemoryState, SleepLevel
+from rollout_engine.protocol import LoRAError, MemoryState, SleepLevel
 from rollout_engine.worker.cuda_graphs import DecodeGraphs
 from rollout_engine.worker.engine_memory import EngineMemory
 from rollout_engine.worker.kv_cache_spec import (
@@ -20,6 +21,8 @@ from rollout_engine.worker.kv_cache_spec import (
     activation_bytes_estimate,
     plan_kv_cache_bytes,
 )
+from rollout_engine.worker.lora.adapter import LoRAWeights, build_lora_weights
+from rollout_engine.worker.lora.slots import LoRASlots
 from rollout_engine.worker.model_runner import ModelRunner, PreparedStep
 from rollout_engine.worker.models.packed_linear import PackedCopies, can_pack
 from rollout_engine.worker.models.registry import CausalLM, resolve_model_backend
@@ -61,6 +64,7 @@ class Worker:
             self.memory.create_weights_pool, self.tp,
         )
         self.batch_invariant = model_config.batch_invariant
+        self._init_lora(config, model)
         self._init_packed_weights(
             model, model_config.cpu_packed_weights and not model_config.batch_invariant)
         self.weights = WeightUpdater(model, self.memory, event_log,
@@ -72,6 +76,30 @@ class Worker:
     def model_impl(self) -> str:
         """The name of the modeling code that runs the model (`ModelConfig.model_impl`)."""
         return self.model_backend.name
+
+    def _init_lora(self, config: EngineConfig, model: CausalLM) -> None:
+        self.lora: LoRASlots | None = None
+        """With `enable_lora`: the adapters and their device slots (`worker/lora/slots.py`)."""
+        lora_config = config.lora_config
+        if lora_config.enable_lora:
+            self.lora = LoRASlots(lora_config.max_loras, self.device)
+            self.max_lora_rank = lora_config.max_lora_rank
+            model.attach_lora(self.lora, lora_config.max_lora_rank, self.dtype)
+
+    def add_lora(self, adapter_id: int, peft_config: Mapping[str, Any],
+                 tensors: Mapping[str, torch.Tensor]) -> LoRAWeights:
+        """Check an adapter against the model and register it under `adapter_id` (its device
+        slot is filled when a step first runs it). LoRAError, registering nothing, if refused."""
+        if self.lora is None:
+            raise LoRAError("LoRA is not enabled on this engine (enable_lora=True)")
+        weights = build_lora_weights(peft_config, tensors, self.lora.linears,
+                                     self.max_lora_rank, self.dtype)
+        self.lora.register(adapter_id, weights)
+        return weights
+
+    def remove_lora(self, adapter_id: int) -> None:
+        if self.lora is not None:
+            self.lora.unregister(adapter_id)
 
     def _init_packed_weights(self, model: CausalLM, cpu_packed_weights: bool) -> None:
         self.packed_weights: PackedCopies | None = None
@@ -125,7 +153,7 @@ class Worker:
         self.model_runner = ModelRunner(
             model, kv_caches, block_size, model_config.seed, decode_graphs,
             is_driver=self.tp.is_driver, packed_weights=self.packed_weights,
-            batch_invariant=model_config.batch_invariant,
+            batch_invariant=model_config.batch_invariant, lora=self.lora,
         )
 
     def set_eos_token_ids(self, eos_token_ids: Sequence[int]) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from kernels import AttentionMetadata, paged_attention, store_kv_cache
 from rollout_engine.protocol import ModelLoadError
+from rollout_engine.worker.lora.slots import LoRAPoint, LoRASlots
 from rollout_engine.worker.models.layers import (
     GatedMLP,
     RMSNorm,
@@ -132,6 +133,9 @@ class Attention(nn.Module):
         self.qk_norm = spec.qk_norm
         self.packed_qkv: PackedLinear | None = None
         """CPU: q|k|v packed as one oneDNN weight (`packed_linear.py`)."""
+        self.lora_qkv: LoRAPoint | None = None
+        self.lora_o: LoRAPoint | None = None
+        """With LoRA enabled: the adapters' deltas of q|k|v and o (`worker/lora/slots.py`)."""
 
     def forward(
         self,
@@ -145,6 +149,8 @@ class Attention(nn.Module):
             q, k, v = self.packed_qkv(hidden)
         else:
             q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        if self.lora_qkv is not None:
+            self.lora_qkv.add(hidden, (q, k, v))
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -155,7 +161,11 @@ class Attention(nn.Module):
         store_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, metadata, self.scale,
                               self.sliding_window)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        projected = self.o_proj(out)
+        if self.lora_o is not None:
+            self.lora_o.add(out, (projected,))
+        return projected
 
 
 class DecoderLayer(nn.Module):
@@ -246,6 +256,23 @@ class DecoderForCausalLM(nn.Module):
         return vocab_parallel_logits(
             hidden, self.logits_weight, self.config.vocab_size, self.tp, self.packed_logits
         )
+
+    def attach_lora(self, slots: LoRASlots, max_rank: int, dtype: torch.dtype) -> None:
+        """Give every layer its LoRA points: q|k|v, o, gate|up and down, under the
+        checkpoint's (and PEFT's) module names."""
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp, prefix = layer.self_attn, layer.mlp, f"model.layers.{i}"
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            attn.lora_qkv = slots.add_point(
+                [f"{prefix}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")],
+                attn.q_proj.in_features, [m.out_features for m in qkv], max_rank, dtype)
+            attn.lora_o = slots.add_point([f"{prefix}.self_attn.o_proj"], attn.o_proj.in_features,
+                                          [attn.o_proj.out_features], max_rank, dtype)
+            mlp.lora_gate_up = slots.add_point(
+                [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"], mlp.gate_proj.in_features,
+                [mlp.gate_proj.out_features, mlp.up_proj.out_features], max_rank, dtype)
+            mlp.lora_down = slots.add_point([f"{prefix}.mlp.down_proj"], mlp.down_proj.in_features,
+                                            [mlp.down_proj.out_features], max_rank, dtype)
 
     def shard_specs(self) -> dict[str, ShardSpec]:
         """Parameter name -> the slice of the checkpoint tensor of that name it holds."""

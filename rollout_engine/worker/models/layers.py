@@ -19,6 +19,7 @@ from torch import nn
 
 from kernels import cpu_extension
 from rollout_engine.batch_invariant import is_batch_invariant_mode_enabled
+from rollout_engine.worker.lora.slots import LoRAPoint
 from rollout_engine.worker.models.packed_linear import PackedLinear
 from rollout_engine.worker.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from rollout_engine.worker.models.tp_sharding import split_evenly
@@ -178,12 +179,26 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, rows, tp)
         self.packed_gate_up: PackedLinear | None = None
         """CPU: gate|up packed as one oneDNN weight (`packed_linear.py`)."""
+        self.lora_gate_up: LoRAPoint | None = None
+        self.lora_down: LoRAPoint | None = None
+        """With LoRA enabled: the adapters' deltas of gate|up and down (`worker/lora/slots.py`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_gate_up is not None:
-            if self.act is F.silu and runs_fused(x):
-                gate_up = self.packed_gate_up(x, split=False)
-                return self.down_proj(cpu_extension.silu_and_mul(gate_up))
-            gate, up = self.packed_gate_up(x)
-            return self.down_proj(self.act(gate) * up)
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.packed_gate_up is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+            if self.lora_gate_up is not None:
+                self.lora_gate_up.add(x, (gate, up))
+            return self._down(self.act(gate) * up)
+        gate_up = self.packed_gate_up(x, split=False)
+        if self.lora_gate_up is not None:
+            self.lora_gate_up.add(x, gate_up.split(self.packed_gate_up.split_sizes, -1))
+        if self.act is F.silu and runs_fused(x):
+            return self._down(cpu_extension.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.packed_gate_up.split_sizes, -1)
+        return self._down(self.act(gate) * up)
+
+    def _down(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj(hidden)
+        if self.lora_down is not None:
+            self.lora_down.add(hidden, (out,))
+        return out

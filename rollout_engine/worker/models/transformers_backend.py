@@ -25,6 +25,7 @@ from torch import nn
 from kernels import AttentionMetadata
 from rollout_engine.protocol import ModelLoadError
 from rollout_engine.worker.kv_cache_spec import LayerKVSpec
+from rollout_engine.worker.lora.slots import LoRAPoint, LoRASlots
 from rollout_engine.worker.models.decoder import sliding_windows_of
 from rollout_engine.worker.models.tp_sharding import ShardSpec
 from rollout_engine.worker.models.transformers_attention import (
@@ -302,6 +303,16 @@ class TransformersForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def attach_lora(self, slots: LoRASlots, max_rank: int, dtype: torch.dtype) -> None:
+        """A LoRA point on every `nn.Linear` but the output embeddings, under its HF (and
+        PEFT) module name: a forward hook adds the step's deltas to its output."""
+        output_embeddings = self.output_embeddings
+        for name, module in self.named_modules():
+            if type(module) is nn.Linear and module is not output_embeddings:
+                point = slots.add_point([name], module.in_features, [module.out_features],
+                                        max_rank, dtype)
+                module.register_forward_hook(_lora_hook(point))
+
     def shard_specs(self) -> dict[str, ShardSpec]:
         """Every parameter whole (replicated): no tensor parallelism in this backend yet."""
         return {name: ShardSpec(tuple(p.shape)) for name, p in self.named_parameters()}
@@ -382,6 +393,15 @@ class TransformersForCausalLM(nn.Module):
                 "does not pass the same tensors is not supported"
             )
         return specs
+
+
+def _lora_hook(point: LoRAPoint):
+    def add_deltas(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if point.step.groups:  # the HF module runs on [1, T, features]
+            x = args[0]
+            point.add(x.reshape(-1, x.shape[-1]), (out.view(-1, out.shape[-1]),))
+
+    return add_deltas
 
 
 def _kv_source(call: AttentionCall, earlier: list[AttentionCall], where: str) -> int:

@@ -1,0 +1,212 @@
+"""LoRA deltas applied unmerged: adapters in device slots, a step's tokens grouped by slot.
+
+A `LoRAPoint` is where the model adds deltas: the output of one linear, or of linears that
+share their input and run as one packed GEMM (the native decoder's q|k|v and gate|up). Each
+point holds `max_loras` slots of stacked weights: the A matrices of its linears side by side
+([slots, linears * max_rank, in]), so that a group of tokens shrinks its input with one GEMM,
+and each linear's B ([slots, out, max_rank]), with the adapter's scaling folded in.
+
+A step's tokens come grouped by the adapter their request runs under (`LoRAGroup`: a slot
+and its rows, a slice when they are contiguous): per group and point, one shrink GEMM and one
+expand GEMM per linear the adapter targets, added into the base output in place (the
+grouped GEMMs of Punica's SGMV, written with torch's GEMMs). Tokens of the base model are in
+no group: their rows cost nothing.
+
+`LoRASlots` owns the points, the adapters registered on the worker (host copies) and which
+adapter sits in which slot: a step's adapters are put into slots before its forward (the
+scheduler never runs more than `max_loras` at once), reusing the least recently used slot.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rollout_engine.protocol import LoRAError
+from rollout_engine.worker.lora.adapter import LoRAWeights
+
+
+@dataclass
+class LoRAGroup:
+    """The rows of a step's flat token batch that run under the adapter in `slot`."""
+
+    slot: int
+    rows: slice | torch.Tensor
+    """A slice when contiguous, else an int64 index tensor on the device."""
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.rows] if isinstance(self.rows, slice) else x.index_select(0, self.rows)
+
+    def add_into(self, out: torch.Tensor, delta: torch.Tensor) -> None:
+        if isinstance(self.rows, slice):
+            out[self.rows] += delta
+        else:
+            out.index_add_(0, self.rows, delta)
+
+
+class LoRAStep:
+    """The groups of the step being run, shared by every point (empty: no adapter runs)."""
+
+    def __init__(self) -> None:
+        self.groups: list[LoRAGroup] = []
+        self.num_rows = 0
+        """Tokens in the step: the rows every point's input has."""
+
+
+class LoRAPoint:
+    """The deltas of linears sharing one input (see the module doc)."""
+
+    def __init__(
+        self, names: Sequence[str], in_features: int, out_features: Sequence[int],
+        max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device, step: LoRAStep,
+    ) -> None:
+        self.names = list(names)
+        self.in_features = in_features
+        self.out_features = list(out_features)
+        self.step = step
+        self.a = torch.zeros(max_loras, len(names) * max_rank, in_features, dtype=dtype,
+                             device=device)
+        self.b = [torch.zeros(max_loras, out, max_rank, dtype=dtype, device=device)
+                  for out in out_features]
+        self.slot_linears: list[list[int]] = [[] for _ in range(max_loras)]
+        """Per slot: the linears (indexes into `names`) its adapter targets."""
+        self.slot_ranks = [0] * max_loras
+        """Per slot: the rank each targeted linear's block is padded to."""
+
+    def load(self, slot: int, weights: LoRAWeights) -> None:
+        """Put this point's part of an adapter into `slot` (zeros where it targets nothing)."""
+        self.a[slot].zero_()
+        for b in self.b:
+            b[slot].zero_()
+        deltas = [(i, weights.deltas[n]) for i, n in enumerate(self.names) if n in weights.deltas]
+        rank = max((d.rank for _, d in deltas), default=0)
+        for j, (i, delta) in enumerate(deltas):
+            self.a[slot, j * rank : j * rank + delta.rank] = delta.a
+            scaled = (delta.b.float() * delta.scaling).to(self.b[i].dtype)
+            self.b[i][slot, :, : delta.rank] = scaled
+        self.slot_linears[slot] = [i for i, _ in deltas]
+        self.slot_ranks[slot] = rank
+
+    def clear(self, slot: int) -> None:
+        self.slot_linears[slot], self.slot_ranks[slot] = [], 0
+
+    def add(self, x: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        """Add the step's deltas into the linears' outputs. x: [T, in]; outs: one [T, out_i]
+        per linear (views into one packed output are fine: written in place)."""
+        if x.shape[0] != self.step.num_rows:
+            raise LoRAError(
+                f"{self.names[0]} ran on {x.shape[0]} rows, not the step's {self.step.num_rows} "
+                "tokens (a module run on a subset of tokens, such as one expert of a MoE, "
+                "cannot take a LoRA adapter here)"
+            )
+        for group in self.step.groups:
+            linears, rank = self.slot_linears[group.slot], self.slot_ranks[group.slot]
+            if not linears:
+                continue
+            a = self.a[group.slot, : len(linears) * rank]
+            shrunk = group.take(x) @ a.T  # [rows, linears * rank]
+            for j, i in enumerate(linears):
+                delta = shrunk[:, j * rank : (j + 1) * rank] @ self.b[i][group.slot, :, :rank].T
+                group.add_into(outs[i], delta)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [self.a, *self.b])
+
+
+class LoRASlots:
+    """The worker's adapters: registered ones in host memory, `max_loras` of them in the
+    points' device slots; `begin_step` puts a step's adapters into slots and groups its rows."""
+
+    def __init__(self, max_loras: int, device: torch.device) -> None:
+        self.max_loras = max_loras
+        self.device = device
+        self.step = LoRAStep()
+        self.points: list[LoRAPoint] = []
+        self.adapters: dict[int, LoRAWeights] = {}
+        """Registered adapters by engine-wide id, host copies."""
+        self._slot_of: OrderedDict[int, int] = OrderedDict()
+        """Adapter id -> its slot, least recently run first."""
+        self.num_slot_loads = 0
+
+    def add_point(self, names: Sequence[str], in_features: int, out_features: Sequence[int],
+                  max_rank: int, dtype: torch.dtype) -> LoRAPoint:
+        point = LoRAPoint(names, in_features, out_features, self.max_loras, max_rank, dtype,
+                          self.device, self.step)
+        self.points.append(point)
+        return point
+
+    @property
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """Every linear a delta can target: name -> (in features, out features)."""
+        return {name: (p.in_features, out) for p in self.points
+                for name, out in zip(p.names, p.out_features)}
+
+    def register(self, adapter_id: int, weights: LoRAWeights) -> None:
+        self.adapters[adapter_id] = weights
+
+    def unregister(self, adapter_id: int) -> None:
+        self.adapters.pop(adapter_id, None)
+        slot = self._slot_of.pop(adapter_id, None)
+        if slot is not None:
+            for point in self.points:
+                point.clear(slot)
+
+    def begin_step(self, runs: Sequence[tuple[int, int, int]], num_rows: int) -> None:
+        """runs: (adapter id, first row, end row) of the step's tokens under an adapter, in
+        row order. Puts the adapters into slots and sets the groups every point reads."""
+        rows_of: dict[int, list[tuple[int, int]]] = {}
+        for adapter_id, start, end in runs:
+            rows_of.setdefault(adapter_id, []).append((start, end))
+        if len(rows_of) > self.max_loras:
+            raise LoRAError(f"a step runs {len(rows_of)} adapters, more than max_loras "
+                            f"{self.max_loras}")
+        groups = []
+        for adapter_id, spans in rows_of.items():
+            slot = self._slot(adapter_id, keep=rows_of.keys())
+            groups.append(LoRAGroup(slot, self._rows(spans)))
+        self.step.groups, self.step.num_rows = groups, num_rows
+
+    def end_step(self) -> None:
+        self.step.groups, self.step.num_rows = [], 0
+
+    def _slot(self, adapter_id: int, keep) -> int:
+        """The adapter's slot, loading it into a free or the least recently run one."""
+        if adapter_id in self._slot_of:
+            self._slot_of.move_to_end(adapter_id)
+            return self._slot_of[adapter_id]
+        weights = self.adapters.get(adapter_id)
+        if weights is None:
+            raise LoRAError(f"LoRA adapter {adapter_id} is not loaded on the worker")
+        used = set(self._slot_of.values())
+        free = [s for s in range(self.max_loras) if s not in used]
+        if free:
+            slot = free[0]
+        else:
+            victim = next(a for a in self._slot_of if a not in keep)
+            slot = self._slot_of.pop(victim)
+        for point in self.points:
+            point.load(slot, weights)
+        self._slot_of[adapter_id] = slot
+        self.num_slot_loads += 1
+        return slot
+
+    def _rows(self, spans: list[tuple[int, int]]) -> slice | torch.Tensor:
+        merged = [list(spans[0])]
+        for start, end in spans[1:]:
+            if start == merged[-1][1]:
+                merged[-1][1] = end
+            else:
+                merged.append([start, end])
+        if len(merged) == 1:
+            return slice(*merged[0])
+        index = torch.cat([torch.arange(s, e) for s, e in merged])
+        return index.to(self.device, non_blocking=True)
+
+    @property
+    def num_bytes(self) -> int:
+        """Device memory of the slots."""
+        return sum(point.num_bytes for point in self.points)

@@ -1,0 +1,238 @@
+"""LoRA adapters served unmerged: PEFT's own model is the oracle of every adapter's tokens
+and logprobs, in batches that mix adapters and the base model, through both modeling
+backends, with slots rotating, the prefix cache, preemption and async scheduling; bad
+adapters are refused whole while the engine goes on serving."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rollout_engine import LLM, LoRAError, LoRARequest, SamplingParams
+from rollout_engine.protocol import EngineBusyError
+from rollout_engine.tiny_model import write_model_dir
+from tests.integration.hf_oracle import load_hf_model
+from tests.integration.test_transformers_backend import CONFIGS, make_config
+from tests.lora_adapters import load_peft, make_adapter, peft_greedy, peft_logprobs
+
+MAX_TOKENS = 10
+ADAPTERS = {  # name: (rank, target modules, extra LoraConfig fields)
+    "qv": (4, ["q_proj", "v_proj"], {}),
+    "all": (8, "all-linear", {}),
+    "rs": (16, ["o_proj", "down_proj", "k_proj", "up_proj"],
+           {"use_rslora": True, "lora_alpha": 4, "rank_pattern": {"down_proj": 2},
+            "alpha_pattern": {"k_proj": 3}}),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, llama_dir) -> dict[str, LoRARequest]:
+    root = tmp_path_factory.mktemp("lora")
+    requests = {}
+    for i, (name, (r, targets, extra)) in enumerate(ADAPTERS.items()):
+        path = make_adapter(llama_dir, root / name, r=r, target_modules=targets, seed=i,
+                            **{"lora_alpha": 2 * r, **extra})
+        requests[name] = LoRARequest(name, i + 1, str(path))
+    return requests
+
+
+@pytest.fixture(scope="module")
+def oracles(llama_dir, adapters) -> dict[str | None, torch.nn.Module]:
+    models = {name: load_peft(llama_dir, req.lora_path) for name, req in adapters.items()}
+    models[None] = load_hf_model(str(llama_dir))
+    return models
+
+
+def prompts_and_loras(adapters, num_prompts: int = 8, length: int = 5):
+    names = [*adapters, None]
+    prompts = [[1 + (7 * i + j) % 400 for j in range(length)] for i in range(num_prompts)]
+    loras = [None if names[i % len(names)] is None else adapters[names[i % len(names)]]
+             for i in range(num_prompts)]
+    return prompts, loras
+
+
+def check_against_peft(outputs, prompts, loras, oracles, logprob_tolerance=1e-5) -> None:
+    for prompt, lora, output in zip(prompts, loras, outputs):
+        oracle = oracles[None if lora is None else lora.lora_name]
+        completion = output.outputs[0]
+        name = None if lora is None else lora.lora_name
+        assert list(completion.token_ids) == peft_greedy(oracle, prompt, MAX_TOKENS), name
+        expected = peft_logprobs(oracle, prompt, list(completion.token_ids))
+        torch.testing.assert_close(torch.tensor(completion.logprobs), expected,
+                                   atol=logprob_tolerance, rtol=0)
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("model_impl", ["native", "transformers"])
+def test_mixed_batch_matches_peft(llama_dir, adapters, oracles, model_impl):
+    """Three adapters (ranks 4, 8 and 16 with rsLoRA and per-module patterns) and the base in
+    one batch, with two slots: every prompt's greedy tokens are PEFT's, logprobs within 1e-5."""
+    llm = LLM(str(llama_dir), enable_lora=True, max_loras=2, max_lora_rank=16,
+              model_impl=model_impl)
+    prompts, loras = prompts_and_loras(adapters)
+    outputs = llm.generate(prompts, GREEDY, lora_request=loras)
+    check_against_peft(outputs, prompts, loras, oracles)
+    assert llm.engine.list_loras() == {1, 2, 3}
+    assert llm.engine.worker.lora.num_slot_loads >= 3  # two slots, three adapters: rotated
+
+
+@pytest.mark.parametrize("options", [
+    {"num_blocks": 12, "block_size": 4, "max_num_seqs": 8},  # preempts
+    {"async_scheduling": True},
+    {"max_num_batched_tokens": 8},  # chunked prefill
+], ids=["preempting", "async", "chunked"])
+def test_scheduling_modes_keep_adapters(llama_dir, adapters, oracles, options):
+    llm = LLM(str(llama_dir), enable_lora=True, max_loras=3, **options)
+    prompts, loras = prompts_and_loras(adapters, length=14)
+    outputs = llm.generate(prompts, GREEDY, lora_request=loras)
+    check_against_peft(outputs, prompts, loras, oracles)
+    if "num_blocks" in options:
+        assert llm.stats()["num_preemptions"] > 0
+
+
+def test_prefix_cache_is_per_adapter(llama_dir, adapters, oracles):
+    """The same long prompt under the base, then an adapter, then each again: each run gets
+    its own model's tokens, hits only its own adapter's KV, and repeats do hit."""
+    llm = LLM(str(llama_dir), enable_lora=True, block_size=4)
+    prompt = [3 + (5 * j) % 300 for j in range(21)]
+    order = [(None, 0), (adapters["all"], 0), (None, 20), (adapters["all"], 20),
+             (adapters["qv"], 0)]
+    for lora, num_cached in order:
+        outputs = llm.generate([prompt], GREEDY, lora_request=lora)
+        check_against_peft(outputs, [prompt], [lora], oracles)
+        assert outputs[0].num_cached_tokens == num_cached
+
+
+def test_host_copies_are_bounded_and_read_again(llama_dir, adapters, oracles):
+    """max_cpu_loras 1: each adapter asked for after another is read again from its path."""
+    llm = LLM(str(llama_dir), enable_lora=True, max_loras=1, max_cpu_loras=1)
+    for name in ["qv", "all", "qv"]:
+        prompts, _ = prompts_and_loras(adapters, num_prompts=2)
+        loras = [adapters[name]] * 2
+        check_against_peft(llm.generate(prompts, GREEDY, lora_request=loras), prompts, loras,
+                           oracles)
+        assert len(llm.engine.worker.lora.adapters) == 1
+    assert llm.engine.list_loras() == {1, 2}
+
+
+def test_remove_and_reload_under_the_same_id(llama_dir, adapters, oracles):
+    """An id removed and loaded again with other weights serves the new ones (no KV of the
+    old ones from the prefix cache)."""
+    llm = LLM(str(llama_dir), enable_lora=True, block_size=4)
+    prompt = [3 + (5 * j) % 300 for j in range(21)]
+    first = LoRARequest("policy", 7, adapters["qv"].lora_path)
+    second = LoRARequest("policy", 7, adapters["all"].lora_path)
+    outputs = llm.generate([prompt], GREEDY, lora_request=first)
+    check_against_peft(outputs, [prompt], [adapters["qv"]], oracles)
+    with pytest.raises(LoRAError, match="in use"):
+        llm.generate([prompt], GREEDY, lora_request=second)
+    assert llm.engine.remove_lora(7) is True
+    assert llm.engine.remove_lora(7) is False
+    outputs = llm.generate([prompt], GREEDY, lora_request=second)
+    check_against_peft(outputs, [prompt], [adapters["all"]], oracles)
+
+
+def test_remove_refused_while_requests_run(llama_dir, adapters):
+    llm = LLM(str(llama_dir), enable_lora=True)
+    llm.engine.add_request("r", [1, 2, 3], GREEDY, lora_request=adapters["qv"])
+    with pytest.raises(EngineBusyError):
+        llm.engine.remove_lora(adapters["qv"].lora_int_id)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.engine.remove_lora(adapters["qv"].lora_int_id) is True
+
+
+def _copy_adapter(source: str, target: Path, config_changes=None, tensor_changes=None) -> str:
+    target.mkdir()
+    config = json.loads((Path(source) / "adapter_config.json").read_text())
+    config.update(config_changes or {})
+    (target / "adapter_config.json").write_text(json.dumps(config))
+    tensors = load_file(str(Path(source) / "adapter_model.safetensors"))
+    if tensor_changes:
+        tensors = tensor_changes(tensors)
+    save_file(tensors, str(target / "adapter_model.safetensors"))
+    return str(target)
+
+
+def _first_a_widened(tensors):
+    name = next(n for n in tensors if "lora_A" in n)
+    tensors[name] = torch.cat([tensors[name], tensors[name]], dim=1)
+    return tensors
+
+
+def _embedding_added(tensors):
+    tensors["base_model.model.model.embed_tokens.lora_A.weight"] = torch.zeros(4, 512)
+    tensors["base_model.model.model.embed_tokens.lora_B.weight"] = torch.zeros(64, 4)
+    return tensors
+
+
+def _b_dropped(tensors):
+    name = next(n for n in tensors if "lora_B" in n)
+    del tensors[name]
+    return tensors
+
+
+BAD_ADAPTERS = {
+    "dora": ({"use_dora": True}, None, "DoRA"),
+    "bias": ({"bias": "lora_only"}, None, "biases"),
+    "saved modules": ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+    "wrong shape": (None, _first_a_widened, "do not fit"),
+    "embedding": (None, _embedding_added, "not a linear layer"),
+    "missing B": (None, _b_dropped, "no lora_B"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ADAPTERS))
+def test_bad_adapters_are_refused_and_the_engine_serves_on(tmp_path, llama_dir, adapters,
+                                                           oracles, case):
+    config_changes, tensor_changes, message = BAD_ADAPTERS[case]
+    path = _copy_adapter(adapters["all"].lora_path, tmp_path / "bad", config_changes,
+                         tensor_changes)
+    llm = LLM(str(llama_dir), enable_lora=True, max_loras=2)
+    prompts, loras = prompts_and_loras(adapters, num_prompts=4)
+    with pytest.raises(LoRAError, match=message):
+        llm.generate(prompts, GREEDY, lora_request=[LoRARequest("bad", 9, path)] * 4)
+    assert llm.engine.list_loras() == set()
+    check_against_peft(llm.generate(prompts, GREEDY, lora_request=loras), prompts, loras,
+                       oracles)
+
+
+def test_refusals(tmp_path, llama_dir, adapters):
+    llm = LLM(str(llama_dir), enable_lora=True, max_lora_rank=8)
+    with pytest.raises(LoRAError, match="max_lora_rank"):
+        llm.engine.add_lora(adapters["rs"])
+    with pytest.raises(LoRAError, match="not a directory"):
+        llm.engine.add_lora(LoRARequest("missing", 5, str(tmp_path / "nowhere")))
+    assert llm.engine.add_lora(adapters["qv"]) is True
+    assert llm.engine.add_lora(adapters["qv"]) is False  # loaded already
+    with pytest.raises(LoRAError, match="in use"):
+        llm.engine.add_lora(LoRARequest("qv", 6, adapters["all"].lora_path))
+    with pytest.raises(LoRAError, match="one per prompt"):
+        llm.generate([[1, 2], [3, 4]], GREEDY, lora_request=[adapters["qv"]])
+    for bad in [("", 1), ("x", 0), ("x", True)]:
+        with pytest.raises(LoRAError):
+            LoRARequest(*bad)
+    plain = LLM(str(llama_dir))
+    with pytest.raises(LoRAError, match="enable_lora"):
+        plain.generate([[1, 2]], GREEDY, lora_request=adapters["qv"])
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(str(llama_dir), enable_lora=True, batch_invariant=True)
+
+
+def test_moe_model_with_attention_adapter(tmp_path):
+    """A Qwen3-MoE through the transformers backend, its attention adapted: PEFT's tokens."""
+    model_dir = write_model_dir(tmp_path / "moe", make_config(*CONFIGS["qwen3_moe"]))
+    adapter = make_adapter(model_dir, tmp_path / "moe_qkvo", r=8,
+                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    oracle = {"moe": load_peft(model_dir, adapter), None: load_hf_model(str(model_dir))}
+    llm = LLM(str(model_dir), enable_lora=True)
+    lora = LoRARequest("moe", 1, str(adapter))
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    outputs = llm.generate(prompts, GREEDY, lora_request=[lora, None])
+    check_against_peft(outputs, prompts, [lora, None], oracle)
