@@ -196,14 +196,16 @@ class CompletionDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "sampling_params", "stream_deltas")
+    __slots__ = ("prompt", "sampling_params", "stream_deltas", "lora_name")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     STREAM_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     prompt: Prompt
     sampling_params: SamplingParams
     stream_deltas: bool
-    def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream_deltas: _Optional[bool] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream_deltas: _Optional[bool] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "deltas", "outputs", "prompt_logprobs", "num_cached_tokens")
@@ -222,14 +224,16 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., deltas: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[CompletionOutput, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateBatchRequest(_message.Message):
-    __slots__ = ("prompts", "sampling_params", "per_prompt_sampling_params")
+    __slots__ = ("prompts", "sampling_params", "per_prompt_sampling_params", "lora_name")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     PER_PROMPT_SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     sampling_params: SamplingParams
     per_prompt_sampling_params: _containers.RepeatedCompositeFieldContainer[SamplingParams]
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., per_prompt_sampling_params: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., per_prompt_sampling_params: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class BatchCompletion(_message.Message):
     __slots__ = ("prompt_index", "prompt_token_ids", "output", "prompt_logprobs", "num_cached_tokens")
@@ -398,12 +402,24 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("tensors", "transport")
+    __slots__ = ("tensors", "transport", "lora")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     transport: Transport
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
+    lora: LoRATarget
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., transport: _Optional[_Union[Transport, str]] = ..., lora: _Optional[_Union[LoRATarget, _Mapping]] = ...) -> None: ...
+
+class LoRATarget(_message.Message):
+    __slots__ = ("lora_name", "peft_config_json", "load_inplace")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    PEFT_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    LOAD_INPLACE_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    peft_config_json: str
+    load_inplace: bool
+    def __init__(self, lora_name: _Optional[str] = ..., peft_config_json: _Optional[str] = ..., load_inplace: _Optional[bool] = ...) -> None: ...
 
 class TensorPiece(_message.Message):
     __slots__ = ("name", "tensor_offset", "num_bytes", "buffer_offset")
@@ -480,14 +496,66 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[StreamChunk, _Mapping]] = ..., bucket: _Optional[_Union[SharedBucket, _Mapping]] = ..., commit: _Optional[_Union[CommitWeights, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("manifest_accepted", "bucket_done", "weight_version")
+    __slots__ = ("manifest_accepted", "bucket_done", "weight_version", "lora_adapter")
     MANIFEST_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BUCKET_DONE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     manifest_accepted: bool
     bucket_done: int
     weight_version: int
-    def __init__(self, manifest_accepted: _Optional[bool] = ..., bucket_done: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    lora_adapter: LoRAAdapter
+    def __init__(self, manifest_accepted: _Optional[bool] = ..., bucket_done: _Optional[int] = ..., weight_version: _Optional[int] = ..., lora_adapter: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("lora_name", "lora_int_id", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_INT_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_int_id: _Optional[int] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path", "load_inplace")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_INPLACE_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    load_inplace: bool
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., load_inplace: _Optional[bool] = ...) -> None: ...
+
+class LoadLoRAAdapterResponse(_message.Message):
+    __slots__ = ("added", "adapter")
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    added: bool
+    adapter: LoRAAdapter
+    def __init__(self, added: _Optional[bool] = ..., adapter: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    def __init__(self, removed: _Optional[bool] = ...) -> None: ...
+
+class ListLoRAAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLoRAAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
     __slots__ = ("transfer_id",)

@@ -109,6 +109,21 @@ class RolloutEngineStub:
                 request_serializer=protos_dot_rollout__pb2.RenderChatRequest.SerializeToString,
                 response_deserializer=protos_dot_rollout__pb2.RenderChatResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/rollout.v1.RolloutEngine/LoadLoRAAdapter',
+                request_serializer=protos_dot_rollout__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/rollout.v1.RolloutEngine/UnloadLoRAAdapter',
+                request_serializer=protos_dot_rollout__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoRAAdapters = channel.unary_unary(
+                '/rollout.v1.RolloutEngine/ListLoRAAdapters',
+                request_serializer=protos_dot_rollout__pb2.ListLoRAAdaptersRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.ListLoRAAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutEngineServicer:
@@ -227,6 +242,28 @@ class RolloutEngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """LoRA adapters (enable_lora), served unmerged: loaded from a PEFT directory on the server's
+        disk here, or pushed from memory through UpdateWeights (a manifest with `lora` set);
+        requests name theirs in `lora_name`. Unloading (or loading in place) lets the requests
+        that run under the old adapter finish under it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoRAAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutEngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -304,6 +341,21 @@ def add_RolloutEngineServicer_to_server(servicer, server):
                     servicer.RenderChat,
                     request_deserializer=protos_dot_rollout__pb2.RenderChatRequest.FromString,
                     response_serializer=protos_dot_rollout__pb2.RenderChatResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=protos_dot_rollout__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=protos_dot_rollout__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+            ),
+            'ListLoRAAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoRAAdapters,
+                    request_deserializer=protos_dot_rollout__pb2.ListLoRAAdaptersRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.ListLoRAAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -711,6 +763,87 @@ class RolloutEngine:
             '/rollout.v1.RolloutEngine/RenderChat',
             protos_dot_rollout__pb2.RenderChatRequest.SerializeToString,
             protos_dot_rollout__pb2.RenderChatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutEngine/LoadLoRAAdapter',
+            protos_dot_rollout__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            protos_dot_rollout__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutEngine/UnloadLoRAAdapter',
+            protos_dot_rollout__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            protos_dot_rollout__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoRAAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutEngine/ListLoRAAdapters',
+            protos_dot_rollout__pb2.ListLoRAAdaptersRequest.SerializeToString,
+            protos_dot_rollout__pb2.ListLoRAAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -318,6 +318,17 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parallel.add_argument("--distributed-timeout-s", type=float,
                           help="a rank that has not finished a collective or command by then "
                           "fails the step, named in the error (default: 60)")
+    lora = parser.add_argument_group("LoRA adapters (vLLM's flags)")
+    lora.add_argument("--enable-lora", action="store_true", default=None,
+                      help="serve LoRA adapters unmerged beside the base model")
+    lora.add_argument("--max-loras", type=int, help="adapters a step runs at once (default: 1)")
+    lora.add_argument("--max-lora-rank", type=int, help="largest adapter rank (default: 16)")
+    lora.add_argument("--max-cpu-loras", type=int,
+                      help="adapters read from a path kept in host memory (default: max-loras)")
+    lora.add_argument("--lora-modules", nargs="+", type=_lora_module, default=(),
+                      metavar="NAME=PATH",
+                      help="adapters to load at start: name=path, or JSON {\"name\", \"path\"}; "
+                      "requests name them as their model")
     kv = parser.add_argument_group("prefill-decode disaggregation")
     kv.add_argument("--kv-role", choices=["prefill", "decode", "both"],
                     help="save prompts' KV for a decode engine (prefill), load it (decode), or "
@@ -344,8 +355,23 @@ _SERVE_ENGINE_OPTIONS = (
     "gpu_memory_utilization",
     "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_speculative_tokens",
     "async_scheduling", "kv_role", "kv_peer", "kv_transport", "kv_transfer_timeout_s",
-    "kv_handle_ttl_s", "tensor_parallel_size", "distributed_timeout_s",
+    "kv_handle_ttl_s", "tensor_parallel_size", "distributed_timeout_s", "enable_lora",
+    "max_loras", "max_lora_rank", "max_cpu_loras",
 )
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """`--lora-modules` entry: name=path or vLLM's JSON form."""
+    if text.lstrip().startswith("{"):
+        try:
+            entry = json.loads(text)
+            return str(entry["name"]), str(entry["path"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise argparse.ArgumentTypeError(f"bad JSON LoRA module {text!r}: {exc}") from exc
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -387,11 +413,20 @@ def _run_serve(args: argparse.Namespace) -> int:
                 "enable_in_reasoning", False),
         )
         engine_config = EngineConfig.from_kwargs(args.model, **options)
+        if args.lora_modules and not engine_config.lora_config.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
     except ValueError as exc:
         print(f"rollout-engine serve: error: {exc}", file=sys.stderr)
         return 2
-    engine = AsyncEngine(_build_engine_off_this_thread(engine_config), server_config,
-                         model_name=args.model)
+    llm_engine = _build_engine_off_this_thread(engine_config)
+    try:
+        for name, path in args.lora_modules:
+            llm_engine.loras.add_named(name, path)
+    except ValueError as exc:
+        llm_engine.shutdown()
+        print(f"rollout-engine serve: error: {exc}", file=sys.stderr)
+        return 2
+    engine = AsyncEngine(llm_engine, server_config, model_name=args.model)
     return run_server(engine, server_config)
 
 

@@ -43,6 +43,7 @@ from trainer_bridge.client_messages import (
     prompt_proto,
     score_request_proto,
 )
+from trainer_bridge.lora_client import LoRAClient
 
 T = TypeVar("T")
 
@@ -72,7 +73,7 @@ class CallCancel:
             call.cancel()
 
 
-class EngineClient:
+class EngineClient(LoRAClient):
     """Generate, sleep/wake, update weights and inspect a `rollout-engine serve` process.
 
     Status codes come back as the typed exceptions of `rollout_engine.protocol`. Idempotent
@@ -145,14 +146,16 @@ class EngineClient:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         timeout: float | None = None,
         cancel: CallCancel | None = None,
+        lora_name: str = "",
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order (GenerateBatch; never retried). `cancel`
         lets another thread end the call. With `prompt_logprobs` set, each output carries
-        them (`RequestOutput.prompt_logprobs`, None for the first position)."""
+        them (`RequestOutput.prompt_logprobs`, None for the first position). `lora_name`:
+        the LoRA adapter they run under (empty: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         collected: dict[int, RequestOutput] = {}
-        for item in self._iter_batch(prompts, sampling_params, timeout, cancel):
+        for item in self._iter_batch(prompts, sampling_params, timeout, cancel, lora_name):
             output = collected.setdefault(item.prompt_index, RequestOutput(
                 str(item.prompt_index), [], [], None,
             ))
@@ -188,8 +191,10 @@ class EngineClient:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         timeout: float | None,
         cancel: CallCancel | None,
+        lora_name: str = "",
     ) -> Iterator[pb.BatchCompletion]:
-        request = pb.GenerateBatchRequest(prompts=[prompt_proto(p) for p in prompts])
+        request = pb.GenerateBatchRequest(prompts=[prompt_proto(p) for p in prompts],
+                                          lora_name=lora_name)
         if isinstance(sampling_params, Sequence):
             request.per_prompt_sampling_params.extend(params_proto(p) for p in sampling_params)
         else:
@@ -212,6 +217,7 @@ class EngineClient:
         prompt: Prompt,
         sampling_params: SamplingParams | None = None,
         timeout: float | None = None,
+        lora_name: str = "",
     ) -> Iterator[RequestOutput]:
         """Cumulative snapshots of one prompt's completions as tokens arrive (Generate), with
         their top logprobs (`logprobs`) and the prompt's logprobs (`prompt_logprobs`) as they
@@ -219,7 +225,8 @@ class EngineClient:
 
         Closing the iterator early cancels the call, and the server frees its KV blocks."""
         request = pb.GenerateRequest(prompt=prompt_proto(prompt),
-                                     sampling_params=params_proto(sampling_params))
+                                     sampling_params=params_proto(sampling_params),
+                                     lora_name=lora_name)
         call = self._stub.Generate(request, metadata=self._metadata,
                                    timeout=self._deadline(timeout))
         snapshot = RequestOutput("", [], [], prompt if isinstance(prompt, str) else None)
@@ -343,6 +350,14 @@ class EngineClient:
         if manifest is None:
             weights = transports.named_tensors(weights)
             manifest = transports.WeightManifest.of(weights)
+        reply = self._push(weights, manifest, transport, bucket_bytes, timeout, dtype)
+        if reply.WhichOneof("kind") != "weight_version":
+            raise EngineError("the server ended the update without a weight version")
+        return reply.weight_version
+
+    def _push(self, weights, manifest: transports.WeightManifest, transport: str,
+              bucket_bytes: int, timeout: float | None, dtype: torch.dtype | None):
+        """Send tensors through an UpdateWeights stream; the server's last reply."""
         manifest = manifest.cast(dtype)
         kind = self._resolve_transport(transport, manifest)
         acks = transports.Acks()
@@ -358,8 +373,8 @@ class EngineClient:
             requests = transports.shared_requests(manifest, reader, slots, acks)
         return self._run_update(transports.guarded(requests, acks), acks, timeout)
 
-    def _run_update(self, requests, acks: transports.Acks, timeout: float | None) -> int:
-        version = None
+    def _run_update(self, requests, acks: transports.Acks, timeout: float | None):
+        last = None
         try:
             call = self._update_weights(requests, metadata=self._metadata,
                                             timeout=self._deadline(timeout))
@@ -369,17 +384,17 @@ class EngineClient:
                     acks.accept()
                 elif kind == "bucket_done":
                     acks.done(reply.bucket_done)
-                elif kind == "weight_version":
-                    version = reply.weight_version
+                elif kind in ("weight_version", "lora_adapter"):
+                    last = reply
         except grpc.RpcError as exc:
             if acks.error is not None:
                 raise acks.error from error_from_rpc(exc)
             raise error_from_rpc(exc) from None
         finally:
             acks.stop()
-        if version is None:
-            raise EngineError("the server ended the update without a weight version")
-        return version
+        if last is None:
+            raise EngineError("the server ended the update without committing it")
+        return last
 
     def _resolve_transport(self, transport: str, manifest: transports.WeightManifest) -> str:
         if transport != "auto":

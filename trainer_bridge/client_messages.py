@@ -4,7 +4,10 @@ call's status back to the engine's typed error."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import enum
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import grpc
 
@@ -15,6 +18,7 @@ from rollout_engine.protocol import (
     CompletionOutput,
     EngineError,
     InvalidRequestError,
+    LoRARequest,
     RequestOutput,
     SamplingParams,
     TopLogprobs,
@@ -117,3 +121,22 @@ def apply_generate_response(snapshot: RequestOutput, message: pb.GenerateRespons
             snapshot.outputs.remove(by_index[final.index])
         snapshot.outputs.append(completion_from_proto(final))
     snapshot.outputs.sort(key=lambda o: o.index)
+
+
+def lora_from_proto(message: pb.LoRAAdapter) -> LoRARequest:
+    return LoRARequest(message.lora_name, int(message.lora_int_id), message.lora_path)
+
+
+def peft_config_json(peft_config: Mapping[str, Any] | Any) -> str:
+    """A PEFT config (a LoraConfig, or adapter_config.json's dict) as the JSON object the
+    server reads: sets (target_modules) as sorted lists, enums by value."""
+    config = peft_config.to_dict() if hasattr(peft_config, "to_dict") else dict(peft_config)
+
+    def jsonable(value: Any) -> Any:
+        if isinstance(value, (set, frozenset)):
+            return sorted(value)
+        if isinstance(value, enum.Enum):
+            return value.value
+        raise TypeError(f"{type(value).__name__} in a PEFT config is not JSON")
+
+    return json.dumps(config, default=jsonable)

@@ -88,6 +88,8 @@ class WeightManifest:
 
     tensors: tuple[TensorMeta, ...]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    lora: pb.LoRATarget | None = None
+    """Set: the tensors are a LoRA adapter to load under this target, not model weights."""
 
     @classmethod
     def of(cls, tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightManifest:
@@ -105,7 +107,8 @@ class WeightManifest:
         if dtype is None:
             return self
         return WeightManifest(
-            tuple(TensorMeta(m.name, m.shape, dtype) for m in self.tensors), self.device
+            tuple(TensorMeta(m.name, m.shape, dtype) for m in self.tensors), self.device,
+            self.lora,
         )
 
     @property
@@ -119,6 +122,8 @@ def manifest_request(manifest: WeightManifest, transport: TransportName) -> pb.U
         message.tensors.add(
             name=meta.name, shape=list(meta.shape), dtype=dtype_name(meta.dtype)
         )
+    if manifest.lora is not None:
+        message.lora.CopyFrom(manifest.lora)
     return pb.UpdateWeightsRequest(manifest=message)
 
 

@@ -7,6 +7,11 @@ are the adapter's) and to the worker (which slot holds its weights). An adapter 
 dropped from host memory and read again, comes back under a new id, so no KV computed under
 other weights is ever served from the prefix cache.
 
+An adapter can be replaced under its name and id (`load_inplace`, vLLM's name): the new
+weights are read and checked whole first (if anything is refused, the old adapter serves on),
+then new requests get them, while requests that started under the old ones finish under them;
+the old weights are dropped once none runs.
+
 Host memory holds at most `max_cpu_loras` adapters read from a path: past that, the least
 recently used one no request runs under is dropped, and read again from its path when a
 request next names it. Adapters pushed as tensors have no path to be read from: they stay
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_engine.config import LoRAConfig
-from rollout_engine.protocol import EngineBusyError, LoRAError, LoRARequest
+from rollout_engine.protocol import LoRAError, LoRARequest
 from rollout_engine.worker.lora.adapter import load_peft_adapter
 
 
@@ -43,46 +48,72 @@ class LoRARegistry:
         self._adapters: OrderedDict[int, _Adapter] = OrderedDict()
         """By `lora_int_id`, least recently asked for first."""
         self._next_id = itertools.count(1)
+        self._retired: set[int] = set()
+        """Ids of adapters removed or replaced in place whose requests still run (dropped from
+        the worker once none does)."""
 
     def add(self, request: LoRARequest, peft_config: Mapping[str, Any] | None = None,
-            tensors: Mapping[str, Any] | None = None) -> bool:
+            tensors: Mapping[str, Any] | None = None, load_inplace: bool = False) -> bool:
         """Load an adapter from its path (or from `peft_config` and `tensors`, given both).
-        False if this very adapter is loaded already; LoRAError, loading nothing, if refused."""
+        False if this very adapter is loaded already (unless `load_inplace`: then it is read
+        again); LoRAError, changing nothing, if refused. `load_inplace` replaces the adapter
+        of this name and id (see the module doc)."""
         self._check_enabled()
         if not isinstance(request, LoRARequest):
             raise LoRAError(f"expected a LoRARequest, got {type(request).__name__}")
-        known = self._adapters.get(request.lora_int_id)
-        if known is not None:
-            if known.request != request:
-                raise LoRAError(f"lora_int_id {request.lora_int_id} is in use by "
-                                f"{known.request.lora_name!r}; remove it first")
-            return False
+        self._drop_retired()
+        old = self._adapters.get(request.lora_int_id)
         for other in self._adapters.values():
-            if other.request.lora_name == request.lora_name:
+            if other.request.lora_name == request.lora_name and other is not old:
                 raise LoRAError(f"lora_name {request.lora_name!r} is in use by lora_int_id "
                                 f"{other.request.lora_int_id}; remove it first")
+        if old is not None and old.request.lora_name != request.lora_name:
+            raise LoRAError(f"lora_int_id {request.lora_int_id} is in use by "
+                            f"{old.request.lora_name!r}; remove it first")
+        if old is not None and not load_inplace:
+            if old.request != request:
+                raise LoRAError(f"LoRA adapter {request.lora_name!r} is in use with another "
+                                "path; remove it first, or load it in place")
+            return False
         if (peft_config is None) != (tensors is None):
             raise LoRAError("pass both peft_config and tensors, or neither (read lora_path)")
         if peft_config is None and not request.lora_path:
             raise LoRAError(f"adapter {request.lora_name!r} has no lora_path and no tensors")
         adapter = _Adapter(request, 0)
-        self._load(adapter, peft_config, tensors)
+        self._load(adapter, peft_config, tensors)  # the old one serves on if this raises
+        if old is not None and old.lora_id:
+            self._retired.add(old.lora_id)
         self._adapters[request.lora_int_id] = adapter
+        self._adapters.move_to_end(request.lora_int_id)
+        self._drop_retired()
         self._drop_idle()
         return True
 
-    def remove(self, lora_int_id: int) -> bool:
-        """Unload an adapter; False if none has this id. EngineBusyError while requests run
-        under it."""
+    def check(self, peft_config: Mapping[str, Any], tensors: Mapping[str, Any]) -> None:
+        """LoRAError if an adapter of this config and these tensors (meta tensors will do:
+        names, shapes, dtypes) would be refused."""
         self._check_enabled()
-        adapter = self._adapters.get(lora_int_id)
+        self.worker.check_lora(peft_config, tensors)
+
+    def add_named(self, lora_name: str, lora_path: str = "",
+                  peft_config: Mapping[str, Any] | None = None,
+                  tensors: Mapping[str, Any] | None = None, load_inplace: bool = False) -> bool:
+        """`add` by name alone (HTTP, gRPC): the id is the adapter's of that name, or a new one."""
+        known = self.by_name(lora_name)
+        lora_int_id = known.lora_int_id if known is not None else max(self._adapters, default=0) + 1
+        return self.add(LoRARequest(lora_name, lora_int_id, lora_path), peft_config, tensors,
+                        load_inplace)
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Unload an adapter; False if none has this id. New requests can no longer name it;
+        requests running under it finish under it (its weights go once none runs)."""
+        self._check_enabled()
+        adapter = self._adapters.pop(lora_int_id, None)
         if adapter is None:
             return False
-        if adapter.lora_id and adapter.lora_id in set(self._lora_ids_in_use()):
-            raise EngineBusyError(f"requests still run under LoRA adapter "
-                                  f"{adapter.request.lora_name!r}; remove it once they finish")
-        self.worker.remove_lora(adapter.lora_id)
-        del self._adapters[lora_int_id]
+        if adapter.lora_id:
+            self._retired.add(adapter.lora_id)
+        self._drop_retired()
         return True
 
     def list(self) -> list[LoRARequest]:
@@ -117,6 +148,13 @@ class LoRARegistry:
         lora_id = next(self._next_id)
         self.worker.add_lora(lora_id, peft_config, tensors)
         adapter.lora_id = lora_id
+
+    def _drop_retired(self) -> None:
+        if self._retired:
+            idle = self._retired - set(self._lora_ids_in_use())
+            for lora_id in idle:
+                self.worker.remove_lora(lora_id)
+            self._retired -= idle
 
     def _drop_idle(self, keep: int = 0) -> None:
         """Drop host copies past `max_cpu_loras`: least recently asked for first, only those

@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import functools
 import itertools
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Self
 
@@ -15,6 +15,7 @@ import torch
 from rollout_engine.protocol import (
     EngineInfo,
     InternalError,
+    LoRARequest,
     MemoryState,
     PauseMode,
     RequestOutput,
@@ -124,14 +125,16 @@ class AsyncEngine:
         output_kind: RequestOutputKind,
         label: CallLabel,
         prompt_logprobs_from: Sequence[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Generation:
         """One call's prompts (one SamplingParams each), not started yet: see `Generation`.
         `prompt_logprobs_from`: per prompt, the first position whose prompt logprobs it asks
-        for (scoring); None: every position but the first."""
+        for (scoring); None: every position but the first. `lora_request`: the LoRA adapter
+        they run under (None: the base model)."""
         assert len(prompts) == len(params), (len(prompts), len(params))
         request_id = f"{label}-{next(self._ids)}"
         return Generation(self, request_id, list(zip(prompts, params)), output_kind,
-                          prompt_logprobs_from)
+                          prompt_logprobs_from, lora_request)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """End these engine requests; fire and forget (safe from a cancelled call's `finally`)."""
@@ -174,6 +177,43 @@ class AsyncEngine:
         (an open earlier one is aborted: superseded)."""
         session = await self._loop.call(self._engine.begin_weight_update, manifest)
         return WeightUpdate(self._loop, session)
+
+    # -------------------------------------------------------------------------------- LoRA
+    async def load_lora_adapter(self, lora_name: str, lora_path: str = "",
+                                peft_config: Mapping[str, Any] | None = None,
+                                tensors: Mapping[str, torch.Tensor] | None = None,
+                                load_inplace: bool = False) -> bool:
+        """Load an adapter by name from its path, or from a PEFT config and its tensors,
+        checked whole (LoRAError, loading nothing, if refused). False if this very adapter is
+        loaded already. `load_inplace` replaces the adapter of that name: requests running
+        under the old one finish under it."""
+        return await self._loop.call(functools.partial(
+            self._engine.loras.add_named, lora_name, lora_path, peft_config, tensors,
+            load_inplace))
+
+    async def begin_lora_push(self, manifest: Sequence[ManifestEntry], lora_name: str,
+                              peft_config: Mapping[str, Any], load_inplace: bool) -> LoRAPush:
+        """An adapter pushed from memory: its manifest checked (names, shapes, rank) before a
+        byte comes, its tensors staged in host memory, loaded at the commit."""
+        metas = {name: torch.empty(shape, dtype=dtype, device="meta")
+                 for name, shape, dtype in manifest}
+        await self._loop.call(self._engine.loras.check, peft_config, metas)
+        return LoRAPush(self._loop, self._engine, lora_name, peft_config, load_inplace)
+
+    async def unload_lora_adapter(self, lora_name: str) -> bool:
+        """False if no adapter has this name; requests running under it finish under it."""
+        def unload() -> bool:
+            request = self._engine.loras.by_name(lora_name)
+            return request is not None and self._engine.remove_lora(request.lora_int_id)
+
+        return await self._loop.call(unload)
+
+    async def lora_adapters(self) -> list[LoRARequest]:
+        return await self._loop.call(self._engine.loras.list)
+
+    async def lora_request(self, lora_name: str) -> LoRARequest | None:
+        """The loaded adapter of this name (None: no such adapter)."""
+        return await self._loop.call(self._engine.loras.by_name, lora_name)
 
     # ------------------------------------------------------------------------ introspection
     async def info(self) -> EngineInfo:
@@ -221,7 +261,8 @@ class Generation:
 
     def __init__(self, engine: AsyncEngine, request_id: str,
                  requests: list[tuple[Prompt, SamplingParams]], output_kind: RequestOutputKind,
-                 prompt_logprobs_from: Sequence[int] | None) -> None:
+                 prompt_logprobs_from: Sequence[int] | None,
+                 lora_request: LoRARequest | None = None) -> None:
         self.request_id = request_id
         """The call's id; prompt i is engine request `<request_id>:<i>`."""
         self._engine = engine
@@ -230,6 +271,7 @@ class Generation:
         self._requests = requests
         self._sink = OutputSink(output_kind)
         self._prompt_logprobs_from = prompt_logprobs_from
+        self._lora_request = lora_request
         self._pending: set[str] = set()
         self._num_admitted = 0
 
@@ -242,7 +284,7 @@ class Generation:
         try:
             await self._engine._loop.add_requests(
                 [(rid, prompt, p) for rid, (prompt, p) in zip(self._request_ids, self._requests)],
-                self._sink, self._prompt_logprobs_from)
+                self._sink, self._prompt_logprobs_from, self._lora_request)
         except BaseException:  # refused, or cancelled while the add ran: abort all
             self.close()
             raise
@@ -308,6 +350,46 @@ class WeightUpdate:
     def after_writes(self, fn: Callable[[], object]) -> None:
         """Run `fn` on the engine thread after the writes queued so far (to close the buffers
         they read: never under a copy that reads them)."""
+        self._engine_loop.submit(fn)
+
+
+class LoRAPush:
+    """A LoRA adapter pushed through the weight transports, with `WeightUpdate`'s interface:
+    its tensors are copied out of the transport buffers into host memory as they come (on
+    the engine thread, in order), and the adapter is loaded, checked whole, at `finish`."""
+
+    def __init__(self, engine_loop: EngineLoop, engine: LLMEngine, lora_name: str,
+                 peft_config: Mapping[str, Any], load_inplace: bool) -> None:
+        self._engine_loop, self._engine = engine_loop, engine
+        self._lora_name, self._peft_config = lora_name, peft_config
+        self._load_inplace = load_inplace
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def write(self, tensors: NamedTensors) -> asyncio.Future[None]:
+        def stage() -> None:
+            for name, tensor in tensors:
+                self._tensors[name] = tensor.to("cpu", copy=True)
+
+        return asyncio.wrap_future(self._engine_loop.submit(stage))
+
+    async def finish(self) -> LoRARequest:
+        """Load the adapter; the LoRARequest it is served under."""
+        def load() -> LoRARequest:
+            loras = self._engine.loras
+            loras.add_named(self._lora_name, "", self._peft_config, self._tensors,
+                            self._load_inplace)
+            return loras.by_name(self._lora_name)
+
+        try:
+            return await self._engine_loop.call(load)
+        finally:
+            self._tensors = {}
+
+    def abort(self) -> None:
+        """Drop what was staged (after the writes queued so far). Fire and forget."""
+        self._engine_loop.submit(self._tensors.clear)
+
+    def after_writes(self, fn: Callable[[], object]) -> None:
         self._engine_loop.submit(fn)
 
 

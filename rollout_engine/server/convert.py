@@ -15,6 +15,8 @@ from rollout_engine.protocol import (
     CompletionOutput,
     EngineInfo,
     InvalidRequestError,
+    LoRAError,
+    LoRARequest,
     MemoryState,
     RequestOutput,
     SamplingParams,
@@ -88,6 +90,27 @@ def weight_manifest_from_proto(
             raise InvalidRequestError(f"tensor {meta.name!r} has a negative dimension")
         entries.append((meta.name, tuple(int(d) for d in meta.shape), dtype))
     return entries
+
+
+def lora_to_proto(lora: LoRARequest) -> pb.LoRAAdapter:
+    return pb.LoRAAdapter(lora_name=lora.lora_name, lora_int_id=lora.lora_int_id,
+                          lora_path=lora.lora_path)
+
+
+def lora_target_from_proto(manifest: pb.WeightManifest) -> tuple[str, dict, bool] | None:
+    """A LoRA push's (adapter name, PEFT config, load in place); None for a weight update."""
+    if not manifest.HasField("lora"):
+        return None
+    target = manifest.lora
+    if not target.lora_name:
+        raise LoRAError("a LoRA push needs a lora_name")
+    try:
+        peft_config = json.loads(target.peft_config_json or "{}")
+    except ValueError as exc:
+        raise LoRAError(f"peft_config_json is not JSON: {exc}") from exc
+    if not isinstance(peft_config, dict):
+        raise LoRAError("peft_config_json must be a JSON object")
+    return target.lora_name, peft_config, target.load_inplace
 
 
 # -------------------------------------------------------------------------------- outputs

@@ -20,6 +20,7 @@ from rollout_engine.protocol import (
     EngineError,
     EngineSleepingError,
     InternalError,
+    LoRARequest,
     PauseMode,
     RequestOutput,
     RequestOutputKind,
@@ -94,6 +95,7 @@ class _HeldAdd:
     requests: list[tuple[str, str | list[int], SamplingParams]]
     sink: OutputSink
     prompt_logprobs_from: Sequence[int] | None
+    lora_request: LoRARequest | None
     done: concurrent.futures.Future[None]
 
 
@@ -154,11 +156,14 @@ class EngineLoop:
         requests: list[tuple[str, str | list[int], SamplingParams]],
         sink: OutputSink,
         prompt_logprobs_from: Sequence[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Add all requests or none: if one is refused, those already added are aborted.
         `prompt_logprobs_from`: per request, the first prompt position whose logprobs it asks
-        for (scoring); None: every position but the first."""
-        held = await self.call(self._add_requests, requests, sink, prompt_logprobs_from)
+        for (scoring); None: every position but the first. `lora_request`: the adapter they
+        run under (None: the base model)."""
+        held = await self.call(self._add_requests, requests, sink, prompt_logprobs_from,
+                               lora_request)
         if held is not None:  # during a pause drain: added once paused
             await asyncio.wrap_future(held, loop=self._loop)
 
@@ -308,15 +313,17 @@ class EngineLoop:
         requests: list[tuple[str, str | list[int], SamplingParams]],
         sink: OutputSink,
         prompt_logprobs_from: Sequence[int] | None,
+        lora_request: LoRARequest | None,
     ) -> concurrent.futures.Future[None] | None:
         """Add the requests now, or, during a pause drain, hold them: the future then says
         when they were added (or why not)."""
         gate = self._gate()
         if gate is not None and gate.what == "pause":
-            held = _HeldAdd(requests, sink, prompt_logprobs_from, concurrent.futures.Future())
+            held = _HeldAdd(requests, sink, prompt_logprobs_from, lora_request,
+                            concurrent.futures.Future())
             self._held.append(held)
             return held.done
-        self._add_now(requests, sink, prompt_logprobs_from)
+        self._add_now(requests, sink, prompt_logprobs_from, lora_request)
         return None
 
     def _gate(self) -> _Drain | None:
@@ -336,6 +343,7 @@ class EngineLoop:
         requests: list[tuple[str, str | list[int], SamplingParams]],
         sink: OutputSink,
         prompt_logprobs_from: Sequence[int] | None,
+        lora_request: LoRARequest | None,
     ) -> None:
         added: list[str] = []
         try:
@@ -343,7 +351,7 @@ class EngineLoop:
                 options = {} if prompt_logprobs_from is None else {
                     "prompt_logprobs_from": prompt_logprobs_from[i]}
                 self._engine.add_request(request_id, prompt, sampling_params, sink.output_kind,
-                                        **options)
+                                        lora_request=lora_request, **options)
                 added.append(request_id)
         except Exception:
             self._engine.abort_request(added)
@@ -363,7 +371,7 @@ class EngineLoop:
                 continue  # aborted while held
             try:
                 self._gate()
-                self._add_now(add.requests, add.sink, add.prompt_logprobs_from)
+                self._add_now(add.requests, add.sink, add.prompt_logprobs_from, add.lora_request)
             except Exception as exc:  # noqa: BLE001 - the caller's error
                 add.done.set_exception(exc)
             else:

@@ -20,6 +20,8 @@ from rollout_engine.protocol import (
     EngineSleepingError,
     InvalidRequestError,
     KVTransferError,
+    LoRAError,
+    LoRARequest,
     RequestOutputKind,
     SleepLevel,
     check_sleep_mode,
@@ -51,7 +53,9 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
         params = convert.sampling_params_from_proto(request.sampling_params)
         stream_deltas = request.stream_deltas if request.HasField("stream_deltas") else True
         kind = RequestOutputKind.DELTA_THEN_WHOLE if stream_deltas else RequestOutputKind.FINAL_ONLY
-        async with self.engine.generate([prompt], [params], kind, "gen") as generation:
+        lora_request = await self._lora_request(request.lora_name)
+        async with self.engine.generate([prompt], [params], kind, "gen",
+                                        lora_request=lora_request) as generation:
             is_first = True
             async for _, output in generation:
                 yield convert.generate_response(generation.request_id, output, is_first)
@@ -64,11 +68,21 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
         prompts = [convert.prompt_from_proto(p) for p in request.prompts]
         params = convert.batch_sampling_params(request)
         kind = RequestOutputKind.FINAL_ONLY
-        async with self.engine.generate(prompts, params, kind, "batch") as generation:
+        lora_request = await self._lora_request(request.lora_name)
+        async with self.engine.generate(prompts, params, kind, "batch",
+                                        lora_request=lora_request) as generation:
             async for prompt_index, output in generation:
                 for message in convert.batch_responses(convert.batch_completions(prompt_index,
                                                                                  output)):
                     yield message
+
+    async def _lora_request(self, lora_name: str) -> LoRARequest | None:
+        if not lora_name:
+            return None
+        lora_request = await self.engine.lora_request(lora_name)
+        if lora_request is None:
+            raise LoRAError(f"no LoRA adapter named {lora_name!r} is loaded (LoadLoRAAdapter)")
+        return lora_request
 
     # --------------------------------------------------------------------------- scoring
     @unary
@@ -152,6 +166,28 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
         # next write then fails, so two streams can never interleave writes.
         async for message in WeightUpdateReceiver(self.engine).run(request_iterator):
             yield message
+
+    # ------------------------------------------------------------------------------- LoRA
+    @unary
+    async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest, context
+                              ) -> pb.LoadLoRAAdapterResponse:
+        if not request.lora_path:
+            raise LoRAError("LoadLoRAAdapter needs a lora_path (push tensors with UpdateWeights)")
+        added = await self.engine.load_lora_adapter(request.lora_name, request.lora_path,
+                                                    load_inplace=request.load_inplace)
+        adapter = await self.engine.lora_request(request.lora_name)
+        return pb.LoadLoRAAdapterResponse(added=added, adapter=convert.lora_to_proto(adapter))
+
+    @unary
+    async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest, context
+                                ) -> pb.UnloadLoRAAdapterResponse:
+        return pb.UnloadLoRAAdapterResponse(
+            removed=await self.engine.unload_lora_adapter(request.lora_name))
+
+    @unary
+    async def ListLoRAAdapters(self, request, context) -> pb.ListLoRAAdaptersResponse:
+        adapters = await self.engine.lora_adapters()
+        return pb.ListLoRAAdaptersResponse(adapters=[convert.lora_to_proto(a) for a in adapters])
 
     # ------------------------------------------------------------------------ KV transfer
     @streaming

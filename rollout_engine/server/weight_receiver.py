@@ -14,8 +14,12 @@ import torch
 from memory.shm import SHM_DIR
 from protos import rollout_pb2 as pb
 from protos.weight_codec import RawChunk, copy_bytes, stream_chunk_buffer
-from rollout_engine.protocol import InvalidRequestError, WeightUpdateError
-from rollout_engine.server.convert import weight_manifest_from_proto
+from rollout_engine.protocol import InvalidRequestError, LoRARequest, WeightUpdateError
+from rollout_engine.server.convert import (
+    lora_target_from_proto,
+    lora_to_proto,
+    weight_manifest_from_proto,
+)
 from rollout_engine.server.status import check_decoded
 from rollout_engine.worker.cuda_ipc_receiver import open_cuda_ipc_buffer
 
@@ -39,7 +43,11 @@ class WeightUpdateReceiver:
         if not isinstance(first, pb.UpdateWeightsRequest) or first.WhichOneof("kind") != "manifest":
             raise InvalidRequestError("UpdateWeights must start with a manifest message")
         manifest = weight_manifest_from_proto(first.manifest)
-        update = await self.engine.begin_weight_update(manifest)
+        lora_target = lora_target_from_proto(first.manifest)
+        if lora_target is None:
+            update = await self.engine.begin_weight_update(manifest)
+        else:
+            update = await self.engine.begin_lora_push(manifest, *lora_target)
         self._update, self._assembler = update, TensorAssembler(manifest)
         self._buffers = SharedBuffers(self.engine.model.device)
         self._writing: asyncio.Future | None = None  # the previous chunk's write, overlapped
@@ -50,7 +58,8 @@ class WeightUpdateReceiver:
                 reply = await self._handle(message)
                 if reply is not None:
                     yield reply
-                if reply is not None and reply.WhichOneof("kind") == "weight_version":
+                if reply is not None and reply.WhichOneof("kind") in ("weight_version",
+                                                                      "lora_adapter"):
                     committed = True
                     return
             raise WeightUpdateError(
@@ -80,7 +89,10 @@ class WeightUpdateReceiver:
             await self._update.write(assemble(self._assembler, message.bucket.pieces, buffer))
             return pb.UpdateWeightsResponse(bucket_done=message.bucket.bucket_id)
         if kind == "commit":
-            return pb.UpdateWeightsResponse(weight_version=await self._commit())
+            committed = await self._commit()
+            if isinstance(committed, LoRARequest):
+                return pb.UpdateWeightsResponse(lora_adapter=lora_to_proto(committed))
+            return pb.UpdateWeightsResponse(weight_version=committed)
         raise WeightUpdateError(f"unexpected {kind!r} message after the manifest")
 
     async def _finish_writing(self) -> None:
@@ -88,7 +100,7 @@ class WeightUpdateReceiver:
             writing, self._writing = self._writing, None
             await writing
 
-    async def _commit(self) -> int:
+    async def _commit(self) -> int | LoRARequest:
         incomplete = self._assembler.incomplete()
         if incomplete:
             raise WeightUpdateError(

@@ -92,10 +92,17 @@ class Worker:
         slot is filled when a step first runs it). LoRAError, registering nothing, if refused."""
         if self.lora is None:
             raise LoRAError("LoRA is not enabled on this engine (enable_lora=True)")
-        weights = build_lora_weights(peft_config, tensors, self.lora.linears,
-                                     self.max_lora_rank, self.dtype)
+        weights = self.check_lora(peft_config, tensors)
         self.lora.register(adapter_id, weights)
         return weights
+
+    def check_lora(self, peft_config: Mapping[str, Any],
+                   tensors: Mapping[str, torch.Tensor]) -> LoRAWeights:
+        """An adapter's deltas, checked against the model (meta tensors: checked only)."""
+        if self.lora is None:
+            raise LoRAError("LoRA is not enabled on this engine (enable_lora=True)")
+        return build_lora_weights(peft_config, tensors, self.lora.linears, self.max_lora_rank,
+                                  self.dtype)
 
     def remove_lora(self, adapter_id: int) -> None:
         if self.lora is not None:

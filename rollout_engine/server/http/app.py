@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING
 import uvicorn
 from fastapi import FastAPI
 
-from rollout_engine.server.http import chat, completions, control, info, responses, tokenize
+from rollout_engine.server.http import (
+    chat,
+    completions,
+    control,
+    info,
+    lora,
+    responses,
+    tokenize,
+)
 from rollout_engine.server.http.context import ServingContext
 from rollout_engine.server.http.error_responses import (
     UnauthorizedError,
@@ -50,6 +58,7 @@ def build_app(serving: ServingContext) -> FastAPI:
         app.include_router(tokenize.tokenizer_info_router)
     if serving.control_endpoints_enabled:
         app.include_router(control.router)
+        app.include_router(lora.router)
     install_error_handlers(app)
     if serving.config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=serving.config.api_key)

@@ -63,7 +63,7 @@ async def _chat_completion(raw_request: Request, model: type[ChatCompletionReque
                            ) -> Response:
     ctx = serving(raw_request)
     request = await read_json(raw_request, model, ctx.config.max_message_bytes)
-    ctx.check_model(request.model)
+    lora_request = await ctx.resolve_model(request.model)
     tools = ChatTools.for_request(request, ctx.config)
     prompt_request = tools.prompt_request()
     prompt = await ctx.render_chat(prompt_request,
@@ -75,7 +75,8 @@ async def _chat_completion(raw_request: Request, model: type[ChatCompletionReque
                              prompt.text)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-    generation = ctx.engine.generate([prompt.token_ids], [params], kind, "chatcmpl")
+    generation = ctx.engine.generate([prompt.token_ids], [params], kind, "chatcmpl",
+                                     lora_request=lora_request)
     if request.stream:
         events = ChatStream(ctx, tools, response_id, prompt, params).events(generation)
         await generation.start()  # admission and the engine's checks answer with a status
@@ -109,7 +110,7 @@ def chat_response(ctx: ServingContext, tools: ChatTools, response_id: str,
     num_generated = sum(len(c.token_ids) for c in output.outputs)
     response = {
         "id": response_id, "object": "chat.completion", "created": int(time.time()),
-        "model": ctx.model_name, "choices": choices,
+        "model": ctx.answer_model(request.model), "choices": choices,
         "usage": usage(len(prompt.token_ids), num_generated, output.num_cached_tokens or 0),
         "system_fingerprint": None,
         "prompt_logprobs": None if output.prompt_logprobs is None else prompt_logprobs_json(
@@ -155,7 +156,7 @@ class ChatStream:
         self.num_tool_calls = [0] * params.n
         self.num_cached_tokens = 0
         self.header = {"id": response_id, "object": "chat.completion.chunk",
-                       "created": int(time.time()), "model": ctx.model_name}
+                       "created": int(time.time()), "model": ctx.answer_model(request.model)}
         self.texts = TokenTexts(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
         self.num_completion_tokens = 0
         options = request.stream_options

@@ -50,12 +50,13 @@ class Prompt:
 async def create_completion(raw_request: Request) -> Response:
     ctx = serving(raw_request)
     request = await read_json(raw_request, CompletionRequest, ctx.config.max_message_bytes)
-    ctx.check_model(request.model)
+    lora_request = await ctx.resolve_model(request.model)
     prompts = await prompts_of(ctx, request)
     params = [completion_params(request, len(p.token_ids), ctx.max_model_len) for p in prompts]
     response_id = f"cmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-    generation = ctx.engine.generate([p.token_ids for p in prompts], params, kind, "cmpl")
+    generation = ctx.engine.generate([p.token_ids for p in prompts], params, kind, "cmpl",
+                                     lora_request=lora_request)
     if request.stream:
         events = CompletionStream(ctx, request, response_id, prompts).events(generation)
         await generation.start()  # admission and the engine's checks answer with a status
@@ -99,7 +100,7 @@ def completion_response(ctx: ServingContext, request: CompletionRequest, respons
     num_prompt_tokens = sum(len(p.token_ids) for p in prompts)  # as the engine ran them
     return {
         "id": response_id, "object": "text_completion", "created": int(time.time()),
-        "model": ctx.model_name, "choices": choices,
+        "model": ctx.answer_model(request.model), "choices": choices,
         "usage": usage(num_prompt_tokens, num_generated, num_cached(outputs)),
         "system_fingerprint": None, "kv_transfer_params": None,
     }
@@ -177,7 +178,7 @@ class CompletionStream:
                  prompts: list[Prompt]) -> None:
         self.ctx, self.request, self.prompts = ctx, request, prompts
         self.header = {"id": response_id, "object": "text_completion",
-                       "created": int(time.time()), "model": ctx.model_name}
+                       "created": int(time.time()), "model": ctx.answer_model(request.model)}
         self.texts = TokenTexts(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
         self.ran: dict[int, Prompt] = {}
         self.num_cached: dict[int, int] = {}

@@ -14,7 +14,7 @@ from rollout_engine.engine.chat_template import (
     render_chat,
 )
 from rollout_engine.engine.input_processor import InputProcessor
-from rollout_engine.protocol import InvalidRequestError
+from rollout_engine.protocol import InvalidRequestError, LoRARequest
 from rollout_engine.server.http.error_responses import UnknownModelError
 from rollout_engine.server.http.metrics import VllmMetrics
 from rollout_engine.server.http.off_loop import OffLoopPool
@@ -72,11 +72,23 @@ class ServingContext:
         """vLLM's dev-mode endpoints: on loopback always, elsewhere when asked for."""
         return self.config.enable_control_endpoints or is_loopback_host(self.config.host)
 
-    def check_model(self, model: str | None) -> None:
-        """UnknownModelError (404) for a model this server does not serve; None is any."""
-        if model is not None and model not in self.served_model_names:
-            raise UnknownModelError(f"The model `{model}` does not exist; this server serves "
-                                    f"{self.served_model_names}")
+    async def resolve_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names, None for the base model (any of its
+        names, or none given); UnknownModelError (404) for a model this server does not serve."""
+        if model is None or model in self.served_model_names:
+            return None
+        if self.engine.model.config.lora_config.enable_lora:
+            lora_request = await self.engine.lora_request(model)
+            if lora_request is not None:
+                return lora_request
+        raise UnknownModelError(f"The model `{model}` does not exist; this server serves "
+                                f"{self.served_model_names}")
+
+    def answer_model(self, model: str | None) -> str:
+        """The `model` an answer names: the adapter a request ran under (resolved already),
+        else the first served name."""
+        return model if model is not None and model not in self.served_model_names \
+            else self.model_name
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the front-end's tokenizer threads (see off_loop.py)."""

@@ -45,6 +45,12 @@ async def list_models(request: Request) -> Response:
               "root": ctx.engine.model.model, "parent": None,
               "max_model_len": ctx.max_model_len, "permission": []}
              for name in ctx.served_model_names]
+    if ctx.engine.model.config.lora_config.enable_lora:
+        cards += [{"id": lora.lora_name, "object": "model", "created": _CREATED_S,
+                   "owned_by": "rollout-engine", "root": lora.lora_path or None,
+                   "parent": ctx.model_name, "max_model_len": ctx.max_model_len,
+                   "permission": []}
+                  for lora in await ctx.engine.lora_adapters()]
     return json_response({"object": "list", "data": cards})
 
 

@@ -82,22 +82,23 @@ async def create_response(raw_request: Request) -> Response:
     history = store.get(body["previous_response_id"]) if body.get("previous_response_id") else []
     messages = history + _messages(body)
     request = parse_body(ChatCompletionRequest, _chat_body(body, messages))
-    ctx.check_model(request.model)
+    lora_request = await ctx.resolve_model(request.model)
     tools = ChatTools.for_request(request, ctx.config)
     prompt = await ctx.render_chat(tools.prompt_request())
     params = tools.constrain(chat_params(request, len(prompt.token_ids), ctx.max_model_len),
                              prompt.text)
     response_id = f"resp_{uuid.uuid4().hex}"
-    stream = ResponseStream(body, response_id, ctx.model_name, tools.parser(prompt.text),
+    stream = ResponseStream(body, response_id, ctx.answer_model(request.model),
+                            tools.parser(prompt.text),
                             lambda parsed: store.put(response_id, [
                                 *messages, _assistant_message(parsed)]))
     if body.get("stream"):
         generation = ctx.engine.generate([prompt.token_ids], [params], RequestOutputKind.DELTA,
-                                         "resp")
+                                         "resp", lora_request=lora_request)
         await generation.start()  # admission and the engine's checks answer with a status
         return EventStreamResponse(stream.events(generation), generation.close)
     generation = ctx.engine.generate([prompt.token_ids], [params], RequestOutputKind.FINAL_ONLY,
-                                     "resp")
+                                     "resp", lora_request=lora_request)
     (output,) = await until_disconnected(raw_request, generation.final_outputs())
     for _ in stream.add(output):
         pass

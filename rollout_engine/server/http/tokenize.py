@@ -27,7 +27,7 @@ async def tokenize(raw_request: Request) -> Response:
     data = await read_json_object(raw_request, ctx.config.max_message_bytes)
     form = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
     body = parse_body(form, data)  # vLLM's union, told apart by `messages`
-    ctx.check_model(body.model)
+    await ctx.resolve_model(body.model)
     if isinstance(body, TokenizeChatRequest):
         token_ids = (await ctx.render_chat(body, fit_model=False)).token_ids
     else:
@@ -45,7 +45,7 @@ async def tokenize(raw_request: Request) -> Response:
 async def detokenize(raw_request: Request) -> Response:
     ctx = serving(raw_request)
     request = await read_json(raw_request, DetokenizeRequest, ctx.config.max_message_bytes)
-    ctx.check_model(request.model)
+    await ctx.resolve_model(request.model)
     if ctx.tokenizer is None:
         raise InvalidRequestError("this model has no tokenizer")
     vocab_size = ctx.engine.model.vocab_size

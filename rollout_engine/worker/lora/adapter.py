@@ -99,7 +99,8 @@ def build_lora_weights(
     dtype: torch.dtype,
 ) -> LoRAWeights:
     """Check an adapter (its PEFT config and tensors) against the model's LoRA-capable linears
-    (`module name -> (in features, out features)`) and return its deltas in `dtype`."""
+    (`module name -> (in features, out features)`) and return its deltas in `dtype` (tensors
+    on the meta device are checked only: a pushed adapter's manifest)."""
     _check_config(peft_config)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
@@ -159,6 +160,8 @@ def _module_delta(
     alpha = float(_pattern_value(module, config.get("alpha_pattern") or {},
                                  config.get("lora_alpha", 8)))
     scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    if a.is_meta or b.is_meta:  # a manifest checked before its bytes come
+        return ModuleDelta(a, b, scaling)
     return ModuleDelta(a.detach().to("cpu", dtype).contiguous(),
                        b.detach().to("cpu", dtype).contiguous(), scaling)
 
