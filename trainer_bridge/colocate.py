@@ -23,10 +23,12 @@ from rollout_engine.protocol import (
     KV_CACHE_TAG,
     WEIGHTS_TAG,
     EngineError,
+    LoRARequest,
     SleepLevel,
     SleepMode,
     check_sleep_mode,
 )
+from trainer_bridge.lora_sync import PolicyAdapter
 from trainer_bridge.partial_rollouts import PartialRollouts
 from trainer_bridge.timeline import MemoryTimeline
 from trainer_bridge.transports import ManifestMismatchError, WeightManifest
@@ -122,7 +124,10 @@ class Colocation:
         """Cast pushed tensors to this dtype as they are sent ("engine": the engine's dtype);
         None sends them as they are, and the engine refuses a dtype other than its own."""
         self.num_weight_pushes = 0
+        self.num_adapter_pushes = 0
         self.weight_version = 0
+        self.adapter: LoRARequest | None = None
+        """LoRA policies (`sync_adapter`): the adapter the engine serves the policy as."""
         self.attach(client)
 
     def attach(self, client: EngineClient) -> None:
@@ -222,6 +227,31 @@ class Colocation:
         self._verb("reset_prefix_cache", self.client.reset_prefix_cache)
         self.needs_weights = self.is_weights_discarded = False
         return self.weight_version
+
+    def sync_adapter(self, policy: PolicyAdapter) -> LoRARequest:
+        """A LoRA policy served unmerged: push only its adapter (loaded in place under
+        `policy.lora_name`: requests running under the previous version finish under it, and
+        no prefix-cache entry of another version is served), and the base weights only when
+        the engine may not hold them (the first sync, or after a level-2 sleep)."""
+        if self.needs_weights or self.is_weights_discarded:
+            if not policy.push_base and self.is_weights_discarded:
+                raise ValueError("the engine's base weights were discarded (sleep level 2) and "
+                                 "this policy does not push its base: sleep at level 1")
+            if policy.push_base:
+                self.sync_weights(StreamedWeights(policy.base_weights))
+        self.end_training()
+        release_trainer_cache()
+        if not self.is_weights_awake:
+            self._verb("wake_weights", self.client.wake_up, [WEIGHTS_TAG])
+            self.is_weights_awake = True
+        dtype = self._engine_weight_dtype() if self.weight_dtype == "engine" else self.weight_dtype
+        with self._phase("weight_sync"):
+            self.adapter = self.client.load_lora_adapter(
+                policy.lora_name, policy.adapter(), policy.peft_config, load_inplace=True,
+                transport=self.transport, dtype=dtype)
+        self.num_adapter_pushes += 1
+        self.needs_weights = False
+        return self.adapter
 
     def partial_rollouts(self, prompts: Iterator, sampling_params, *, oversample: float = 2.0,
                          max_staleness: int | None = None) -> PartialRollouts:

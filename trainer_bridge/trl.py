@@ -51,7 +51,8 @@ from rollout_engine.protocol import (
 from trainer_bridge.client import EngineClient
 from trainer_bridge.colocate import Colocation, StreamedWeights
 from trainer_bridge.invariant_logps import check_batch_invariance, per_token_logps_and_entropies
-from trainer_bridge.trainer_weights import is_sharded, iter_policy_weights
+from trainer_bridge.lora_sync import PolicyAdapter
+from trainer_bridge.trainer_weights import is_peft_model, is_sharded, iter_policy_weights
 
 if TYPE_CHECKING:
     from trainer_bridge.timeline import MemoryTimeline
@@ -175,12 +176,17 @@ class EngineGeneration:
         generate_timeout_s: float | None = None,
         transport: str = "auto",
         weight_dtype: torch.dtype | Literal["engine"] | None = None,
+        lora_sync: bool | None = None,
     ) -> None:
         check_generation_settings(args)
         self.model, self.accelerator, self.args = model, accelerator, args
         self.colocation = Colocation(client, sleep_level=sleep_level, timeline=timeline,
                                      transport=transport, weight_dtype=weight_dtype)
         self.weights = StreamedWeights(lambda: iter_policy_weights(model, accelerator))
+        self.policy_adapter = _policy_adapter(model, accelerator, client, lora_sync,
+                                              sleep_level)
+        """A PEFT policy on an engine with LoRA enabled: each sync pushes only the adapter,
+        and generation runs under it (`lora_sync`: None decides so by itself)."""
         self.generate_timeout_s = generate_timeout_s
         self.last_weight_versions: set[int] = set()
         """Weight versions that produced the last rollout's completions."""
@@ -209,7 +215,10 @@ class EngineGeneration:
         """Wake the weights, stream the trainer's (merged, gathered) into the engine, reset
         the prefix cache."""
         with _engine_context(self.client, "pushing weights"):
-            self.colocation.sync_weights(self.weights)
+            if self.policy_adapter is not None:
+                self.colocation.sync_adapter(self.policy_adapter)
+            else:
+                self.colocation.sync_weights(self.weights)
 
     def generate(
         self,
@@ -240,8 +249,9 @@ class EngineGeneration:
                 max_model_len = client.info().max_model_len
             params = [self._sampling_params(n, len(p), max_model_len) for p, n in groups]
             with self.colocation.generate_phase(), profiler or contextlib.nullcontext():
+                lora_name = "" if self.policy_adapter is None else self.policy_adapter.lora_name
                 outputs = client.generate([p for p, _ in groups], params,
-                                          timeout=self.generate_timeout_s)
+                                          timeout=self.generate_timeout_s, lora_name=lora_name)
         self.last_weight_versions = {c.weight_version for o in outputs for c in o.outputs}
         prompt_ids, completion_ids, logprobs, token_ids = [], [], [], []
         for output in outputs:
@@ -357,6 +367,26 @@ def _engine_context(client: EngineClient, action: str) -> Iterator[None]:
         raise
 
 
+def _policy_adapter(model: torch.nn.Module, accelerator: Any, client: EngineClient,
+                    lora_sync: bool | None, sleep_level: SleepLevel | int | None
+                    ) -> PolicyAdapter | None:
+    """The adapter to sync unmerged, or None to sync merged weights. Auto (None): a PEFT model,
+    not sharded, and an engine serving with LoRA enabled."""
+    if lora_sync is False:
+        return None
+    unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
+    engine_lora = client.info().config.get("lora_config", {}).get("enable_lora", False)
+    usable = is_peft_model(unwrapped) and not is_sharded(accelerator) and engine_lora
+    if lora_sync and not usable:
+        raise ValueError("lora_sync=True needs a PEFT model (not sharded by ZeRO-3 / FSDP) and "
+                         "an engine serving with --enable-lora")
+    if usable and sleep_level == SleepLevel.DISCARD_ALL:
+        logger.warning("a LoRA policy synced unmerged with sleep_level=2: the engine discards "
+                       "its base weights at every sleep, so every step pushes them again; "
+                       "sleep_level=1 keeps them and pushes only the adapter")
+    return PolicyAdapter(unwrapped) if usable else None
+
+
 def attach_engine(
     trainer: Any,
     engine: EngineClient | str,
@@ -367,6 +397,7 @@ def attach_engine(
     transport: str = "auto",
     auth_token: str | None = None,
     weight_dtype: torch.dtype | Literal["engine"] | None = None,
+    lora_sync: bool | None = None,
 ) -> EngineGeneration:
     """Make `trainer` (a GRPOTrainer or RLOOTrainer built with `use_vllm=False`) generate
     through the engine, as it would through vLLM; call again to switch to another engine."""
@@ -381,7 +412,7 @@ def attach_engine(
     backend = EngineGeneration(
         client, trainer.model, trainer.accelerator, trainer.args, sleep_level=sleep_level,
         timeline=timeline, generate_timeout_s=generate_timeout_s, transport=transport,
-        weight_dtype=weight_dtype,
+        weight_dtype=weight_dtype, lora_sync=lora_sync,
     )
     _warn_on_precision_gap(trainer.args, client)
     if getattr(trainer, "tools", None):  # TRL's tool loop: turn k+1 extends turn k's tokens
@@ -408,7 +439,9 @@ class EngineGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` that generates with the rollout engine at `engine` (a client or an
     address), in TRL's colocate choreography: wake the weights, push them, reset the prefix
     cache, wake the KV cache, generate (every turn), sleep(`sleep_level`) when the trainer's
-    model next runs a forward, train."""
+    model next runs a forward, train. A PEFT (LoRA) policy on an engine serving with
+    --enable-lora is synced unmerged: only the adapter each step (`lora_sync`; the base only
+    when the engine may not hold it, so sleep at level 1 to keep it)."""
 
     def __init__(
         self,
@@ -421,6 +454,7 @@ class EngineGRPOTrainer(GRPOTrainer):
         auth_token: str | None = None,
         weight_dtype: torch.dtype | Literal["engine"] | None = None,
         batch_invariant: bool = False,
+        lora_sync: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -430,7 +464,7 @@ class EngineGRPOTrainer(GRPOTrainer):
         self.engine_generation = attach_engine(
             self, engine, sleep_level=sleep_level, timeline=timeline,
             generate_timeout_s=generate_timeout_s, transport=transport, auth_token=auth_token,
-            weight_dtype=weight_dtype,
+            weight_dtype=weight_dtype, lora_sync=lora_sync,
         )
         check_batch_invariance(batch_invariant, self.engine_generation.colocation.client,
                                self.args)

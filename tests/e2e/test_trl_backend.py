@@ -60,6 +60,8 @@ def make_trainer(
     peft_config=None,
     rollout_func=None,
     weight_dtype=None,
+    sleep_level=2,
+    lora_sync=None,
     **config,
 ) -> EngineGRPOTrainer:
     """A GRPO trainer on the tiny model; `config` overrides GRPOConfig fields."""
@@ -74,7 +76,7 @@ def make_trainer(
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 8}),
         processing_class=AutoTokenizer.from_pretrained(model_dir), engine=client,
         generate_timeout_s=60, peft_config=peft_config, rollout_func=rollout_func,
-        weight_dtype=weight_dtype,
+        weight_dtype=weight_dtype, sleep_level=sleep_level, lora_sync=lora_sync,
     )
 
 
