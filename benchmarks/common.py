@@ -115,16 +115,19 @@ def run_vllm(
     enforce_eager: bool = False,
     greedy: bool = False,
     timeout_s: float = 3600.0,
+    lora_paths: list[str] | None = None,
+    max_lora_rank: int = 16,
 ) -> dict:
     """{"elapsed_s": [one per repeat], "num_tokens": N, "version": ...} of vLLM generating the
     same workload (unseeded, EOS ignored) in a child process of its own venv; compiled (vLLM's
     default) unless `enforce_eager`. `greedy`: one greedy sample per prompt instead, and
-    "token_ids" (one list per prompt) in the answer."""
+    "token_ids" (one list per prompt) in the answer. `lora_paths`: PEFT adapters, prompt i
+    under adapter i % len (vLLM's enable_lora, max_loras = their number)."""
     job = {"model": model_dir, "prompts": prompts, "n": n, "max_tokens": max_tokens,
            "max_model_len": max_model_len, "max_num_batched_tokens": max_num_batched_tokens,
            "threads": threads, "repeats": repeats, "max_num_seqs": max(256, len(prompts) * n),
            "kv_cache_gib": kv_cache_gib, "dtype": dtype, "enforce_eager": enforce_eager,
-           "greedy": greedy}
+           "greedy": greedy, "lora_paths": lora_paths or [], "max_lora_rank": max_lora_rank}
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(job, f)
         f.flush()

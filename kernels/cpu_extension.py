@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "batch_invariant_cpu.cpp",
-                        "batch_invariant_attention_cpu.cpp")]
+                        "batch_invariant_attention_cpu.cpp", "lora_cpu.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name
            for name in ("cpu_vec.h", "batch_invariant_vec.h", "batch_invariant_amx.h")]
 _NAME = "rollout_engine_cpu_attention"
@@ -143,6 +143,19 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     """key [T, Hkv, Dk] and value [T, Hkv, Dv] into their slots (slot_mapping [T], int64) of the
     caches ([num_blocks, block_size, Hkv, D], any strides but a unit one on D), in place."""
     torch.ops.rollout_cpu.store_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+def lora_add(x: torch.Tensor, a: torch.Tensor, bt: list[torch.Tensor], outs: list[torch.Tensor],
+             rows: torch.Tensor, group_offsets: torch.Tensor, group_slots: torch.Tensor,
+             linear_blocks: torch.Tensor, ranks: torch.Tensor) -> None:
+    """LoRA deltas added in place: for each group g of token rows (`rows[group_offsets[g]:
+    group_offsets[g + 1]]`, each row in one group at most) under slot `group_slots[g]`, and each
+    linear i its slot targets (`linear_blocks[slot, i]` >= 0: its block of A's rows, of
+    `ranks[slot]` rows), outs[i][row] += bt[i][slot, :rank].T @ (a[slot, block rows] @ x[row]).
+    x [T, in], a [slots, columns, in], bt[i] [slots, max rank, out_i], outs[i] [T, out_i] (unit
+    inner strides; one dtype); indexes int64 (see the C++ source)."""
+    torch.ops.rollout_cpu.lora_add(x, a, bt, outs, rows, group_offsets, group_slots,
+                                   linear_blocks, ranks)
 
 
 def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor,

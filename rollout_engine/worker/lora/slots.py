@@ -4,13 +4,14 @@ A `LoRAPoint` is where the model adds deltas: the output of one linear, or of li
 share their input and run as one packed GEMM (the native decoder's q|k|v and gate|up). Each
 point holds `max_loras` slots of stacked weights: the A matrices of its linears side by side
 ([slots, linears * max_rank, in]), so that a group of tokens shrinks its input with one GEMM,
-and each linear's B ([slots, out, max_rank]), with the adapter's scaling folded in.
+and each linear's B transposed ([slots, max_rank, out]), with the adapter's scaling folded in.
 
 A step's tokens come grouped by the adapter their request runs under (`LoRAGroup`: a slot
-and its rows, a slice when they are contiguous): per group and point, one shrink GEMM and one
-expand GEMM per linear the adapter targets, added into the base output in place (the
-grouped GEMMs of Punica's SGMV, written with torch's GEMMs). Tokens of the base model are in
-no group: their rows cost nothing.
+and its rows). On the CPU one compiled call per point adds every group's deltas
+(`kernels/csrc/lora_cpu.cpp`, Punica's BGMV); elsewhere, per group and point, one shrink GEMM
+and one expand GEMM per linear the adapter targets, added into the base output in place (the
+grouped GEMMs of SGMV, written with torch's). Tokens of the base model are in no group: their
+rows cost nothing.
 
 `LoRASlots` owns the points, the adapters registered on the worker (host copies) and which
 adapter sits in which slot: a step's adapters are put into slots before its forward (the
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_extension
 from rollout_engine.protocol import LoRAError
 from rollout_engine.worker.lora.adapter import LoRAWeights
 
@@ -54,6 +56,9 @@ class LoRAStep:
         self.groups: list[LoRAGroup] = []
         self.num_rows = 0
         """Tokens in the step: the rows every point's input has."""
+        self.rows = self.group_offsets = self.group_slots = None
+        """The groups as the CPU kernel takes them (int64, on the CPU): every group's rows in
+        turn, where each group's start, and its slot."""
 
 
 class LoRAPoint:
@@ -69,29 +74,31 @@ class LoRAPoint:
         self.step = step
         self.a = torch.zeros(max_loras, len(names) * max_rank, in_features, dtype=dtype,
                              device=device)
-        self.b = [torch.zeros(max_loras, out, max_rank, dtype=dtype, device=device)
-                  for out in out_features]
-        self.slot_linears: list[list[int]] = [[] for _ in range(max_loras)]
-        """Per slot: the linears (indexes into `names`) its adapter targets."""
-        self.slot_ranks = [0] * max_loras
-        """Per slot: the rank each targeted linear's block is padded to."""
+        self.bt = [torch.zeros(max_loras, max_rank, out, dtype=dtype, device=device)
+                   for out in out_features]
+        """Per linear, B transposed ([rank, out] per slot), the scaling folded in."""
+        self.linear_blocks = torch.full((max_loras, len(names)), -1, dtype=torch.int64)
+        """Per slot and linear: the block of A's rows it uses (-1: the adapter targets none)."""
+        self.ranks = torch.zeros(max_loras, dtype=torch.int64)
+        """Per slot: the rank each block is padded to."""
 
     def load(self, slot: int, weights: LoRAWeights) -> None:
         """Put this point's part of an adapter into `slot` (zeros where it targets nothing)."""
         self.a[slot].zero_()
-        for b in self.b:
-            b[slot].zero_()
+        for bt in self.bt:
+            bt[slot].zero_()
         deltas = [(i, weights.deltas[n]) for i, n in enumerate(self.names) if n in weights.deltas]
         rank = max((d.rank for _, d in deltas), default=0)
+        self.linear_blocks[slot] = -1
         for j, (i, delta) in enumerate(deltas):
             self.a[slot, j * rank : j * rank + delta.rank] = delta.a
-            scaled = (delta.b.float() * delta.scaling).to(self.b[i].dtype)
-            self.b[i][slot, :, : delta.rank] = scaled
-        self.slot_linears[slot] = [i for i, _ in deltas]
-        self.slot_ranks[slot] = rank
+            scaled = (delta.b.float() * delta.scaling).to(self.bt[i].dtype)
+            self.bt[i][slot, : delta.rank] = scaled.T
+            self.linear_blocks[slot, i] = j
+        self.ranks[slot] = rank
 
     def clear(self, slot: int) -> None:
-        self.slot_linears[slot], self.slot_ranks[slot] = [], 0
+        self.linear_blocks[slot], self.ranks[slot] = -1, 0
 
     def add(self, x: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
         """Add the step's deltas into the linears' outputs. x: [T, in]; outs: one [T, out_i]
@@ -102,19 +109,35 @@ class LoRAPoint:
                 "tokens (a module run on a subset of tokens, such as one expert of a MoE, "
                 "cannot take a LoRA adapter here)"
             )
+        if not self.step.groups:
+            return
+        if self._runs_compiled(x, outs):
+            step = self.step
+            cpu_extension.lora_add(x, self.a, self.bt, list(outs), step.rows, step.group_offsets,
+                                   step.group_slots, self.linear_blocks, self.ranks)
+            return
         for group in self.step.groups:
-            linears, rank = self.slot_linears[group.slot], self.slot_ranks[group.slot]
+            rank = int(self.ranks[group.slot])
+            blocks = self.linear_blocks[group.slot].tolist()
+            linears = [i for i, block in enumerate(blocks) if block >= 0]
             if not linears:
                 continue
             a = self.a[group.slot, : len(linears) * rank]
             shrunk = group.take(x) @ a.T  # [rows, linears * rank]
-            for j, i in enumerate(linears):
-                delta = shrunk[:, j * rank : (j + 1) * rank] @ self.b[i][group.slot, :, :rank].T
+            for i in linears:
+                block = blocks[i]
+                delta = shrunk[:, block * rank : (block + 1) * rank] @ self.bt[i][group.slot, :rank]
                 group.add_into(outs[i], delta)
+
+    def _runs_compiled(self, x: torch.Tensor, outs: Sequence[torch.Tensor]) -> bool:
+        return (x.device.type == "cpu" and self.step.rows is not None
+                and cpu_extension.available() and x.dtype == self.a.dtype
+                and x.stride(-1) == 1 and all(o.dtype == x.dtype and o.stride(-1) == 1
+                                              for o in outs))
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [self.a, *self.b])
+        return sum(t.numel() * t.element_size() for t in [self.a, *self.bt])
 
 
 class LoRASlots:
@@ -169,9 +192,24 @@ class LoRASlots:
             slot = self._slot(adapter_id, keep=rows_of.keys())
             groups.append(LoRAGroup(slot, self._rows(spans)))
         self.step.groups, self.step.num_rows = groups, num_rows
+        if self.device.type == "cpu":
+            self._kernel_groups(rows_of)
+
+    def _kernel_groups(self, rows_of: dict[int, list[tuple[int, int]]]) -> None:
+        rows, offsets = [], [0]
+        for spans in rows_of.values():
+            for start, end in spans:
+                rows.extend(range(start, end))
+            offsets.append(len(rows))
+        step = self.step
+        step.rows = torch.tensor(rows, dtype=torch.int64)
+        step.group_offsets = torch.tensor(offsets, dtype=torch.int64)
+        step.group_slots = torch.tensor([g.slot for g in step.groups], dtype=torch.int64)
 
     def end_step(self) -> None:
-        self.step.groups, self.step.num_rows = [], 0
+        step = self.step
+        step.groups, step.num_rows = [], 0
+        step.rows = step.group_offsets = step.group_slots = None
 
     def _slot(self, adapter_id: int, keep) -> int:
         """The adapter's slot, loading it into a free or the least recently run one."""
