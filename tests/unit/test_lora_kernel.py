@@ -80,10 +80,11 @@ def test_point_compiled_and_torch_paths_agree(dtype, monkeypatch):
     torch.manual_seed(1)
     slots = LoRASlots(max_loras=2, device=torch.device("cpu"))
     point = slots.add_point(["q", "k", "v"], 32, [32, 16, 16], max_rank=8, dtype=dtype)
+    out_features = {"q": 32, "k": 16, "v": 16}
     for adapter_id, (rank, targets) in enumerate([(8, ["q", "v"]), (3, ["k", "q", "v"])], 1):
         deltas = {name: ModuleDelta(torch.randn(rank, 32).to(dtype),
-                                    torch.randn(dict(q=32, k=16, v=16)[name], rank).to(dtype),
-                                    0.5) for name in targets}
+                                    torch.randn(out_features[name], rank).to(dtype), 0.5)
+                  for name in targets}
         slots.register(adapter_id, LoRAWeights(deltas))
     x = torch.randn(10, 32).to(dtype)
     results = []
