@@ -6,12 +6,13 @@
 // With torch ops, each group of tokens under one adapter costs a shrink GEMM and an expand GEMM
 // per linear, about 20 us each at these sizes whatever their work: at 8 adapters in a decode
 // step that was a quarter of the step. Here rows go four at a time, each block through its
-// adapter's weights (the rows of a group need not be contiguous: they come as indexes), blocks
-// split across threads:
-// - shrink: s[m][c] = dot(x[m], A[slot][c]) for the adapter's rank rows of every linear it
-//   targets (float32 sums);
-// - expand: out_i[m] += sum_c s[m][c] * Bt_i[slot][c] (Bt_i = B_i transposed, [rank, out_i]),
-//   rounded once to the model dtype.
+// adapter's weights (the rows of a group need not be contiguous: they come as indexes), in two
+// phases split across threads:
+// - shrink, per block of rows: s[m][c] = dot(x[m], A[slot][c]) for the adapter's rank rows of
+//   every linear it targets (float32 sums);
+// - expand, per group and panel of 256 outputs of a linear (its Bt columns read once from
+//   memory for all the group's rows): out_i[m] += sum_c s[m][c] * Bt_i[slot][c] (Bt_i = B_i
+//   transposed, [rank, out_i]), rounded once to the model dtype.
 // float32, bfloat16 and float16 (all of a call in one dtype); sixteen lanes with AVX-512, plain
 // loops elsewhere and for the tails.
 
@@ -30,7 +31,6 @@
 namespace {
 
 constexpr int64_t kRows = 4;           // rows per block
-constexpr int64_t kMaxShrunk = 1024;   // linears x rank of one point
 
 template <typename scalar_t>
 inline float to_float(scalar_t v) {
@@ -97,11 +97,12 @@ void shrink(const scalar_t* const* x, int64_t num_rows, const scalar_t* a, int64
   }
 }
 
-// out rows[m] += sum_k s[m * stride + k] * bt row k, for k < rank, m < num_rows: 64 outputs at
-// a time (sixteen accumulators: four loads and four broadcasts feed sixteen multiply-adds).
+// out rows[m][:num_out] += sum_k s[m * stride + k] * bt row k (rows bt_stride apart), k < rank,
+// m < num_rows: 64 outputs at a time (sixteen accumulators: four loads and four broadcasts feed
+// sixteen multiply-adds).
 template <typename scalar_t>
 void expand(scalar_t* const* out, int64_t num_rows, const float* s, int64_t stride,
-            const scalar_t* bt, int64_t rank, int64_t num_out) {
+            const scalar_t* bt, int64_t rank, int64_t num_out, int64_t bt_stride) {
   int64_t o = 0;
 #if defined(ROLLOUT_CPU_VEC16)
   if constexpr (kVec16<scalar_t>) {
@@ -111,7 +112,7 @@ void expand(scalar_t* const* out, int64_t num_rows, const float* s, int64_t stri
         for (auto& v : row) v = _mm512_setzero_ps();
       for (int64_t k = 0; k < rank; ++k) {
         __m512 bv[4];
-        for (int64_t j = 0; j < 4; ++j) bv[j] = cpu_vec::load16(bt + k * num_out + o + 16 * j);
+        for (int64_t j = 0; j < 4; ++j) bv[j] = cpu_vec::load16(bt + k * bt_stride + o + 16 * j);
         for (int64_t m = 0; m < kRows; ++m) {
           const __m512 sv = _mm512_set1_ps(s[m * stride + k]);
           for (int64_t j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(sv, bv[j], acc[m][j]);
@@ -127,7 +128,7 @@ void expand(scalar_t* const* out, int64_t num_rows, const float* s, int64_t stri
       __m512 acc[kRows] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                            _mm512_setzero_ps()};
       for (int64_t k = 0; k < rank; ++k) {
-        const __m512 bv = cpu_vec::load16(bt + k * num_out + o);
+        const __m512 bv = cpu_vec::load16(bt + k * bt_stride + o);
         for (int64_t m = 0; m < kRows; ++m)
           acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(s[m * stride + k]), bv, acc[m]);
       }
@@ -139,7 +140,7 @@ void expand(scalar_t* const* out, int64_t num_rows, const float* s, int64_t stri
   for (; o < num_out; ++o) {
     for (int64_t m = 0; m < num_rows; ++m) {
       float acc = 0.f;
-      for (int64_t k = 0; k < rank; ++k) acc += s[m * stride + k] * to_float(bt[k * num_out + o]);
+      for (int64_t k = 0; k < rank; ++k) acc += s[m * stride + k] * to_float(bt[k * bt_stride + o]);
       out[m][o] = static_cast<scalar_t>(to_float(out[m][o]) + acc);
     }
   }
@@ -150,6 +151,16 @@ struct Block {
   int64_t first;  // index into rows
   int64_t count;
 };
+
+// A piece of phase 2: one group's rows through one linear's outputs [begin, end).
+struct Panel {
+  int64_t group;
+  int64_t linear;
+  int64_t begin;
+  int64_t end;
+};
+
+constexpr int64_t kPanel = 256;  // outputs per panel: its Bt columns stay in L1 across rows
 
 void lora_add(const at::Tensor& x, const at::Tensor& a, at::TensorList bt, at::TensorList outs,
               const at::Tensor& rows, const at::Tensor& group_offsets,
@@ -165,8 +176,9 @@ void lora_add(const at::Tensor& x, const at::Tensor& a, at::TensorList bt, at::T
                   linear_blocks.size(1) == num_linears && ranks.size(0) == a.size(0),
               "lora_add: linear_blocks [slots, linears] and ranks [slots]");
   for (int64_t i = 0; i < num_linears; ++i) {
-    TORCH_CHECK(bt[i].dim() == 3 && bt[i].is_contiguous() && bt[i].size(0) == a.size(0),
-                "lora_add: Bt [slots, rank, out] contiguous");
+    TORCH_CHECK(bt[i].dim() == 3 && bt[i].is_contiguous() && bt[i].size(0) == a.size(0) &&
+                    bt[i].size(1) == bt[0].size(1),
+                "lora_add: Bt [slots, max rank, out] contiguous");
     TORCH_CHECK(outs[i].dim() == 2 && outs[i].stride(1) == 1 && outs[i].size(0) == x.size(0) &&
                     outs[i].size(1) == bt[i].size(2),
                 "lora_add: outputs [tokens, out] with unit stride");
@@ -177,7 +189,6 @@ void lora_add(const at::Tensor& x, const at::Tensor& a, at::TensorList bt, at::T
   TORCH_CHECK(a.scalar_type() == x.scalar_type(), "lora_add: one dtype for every tensor");
   for (const at::Tensor* t : {&rows, &group_offsets, &group_slots, &linear_blocks, &ranks})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "lora_add: int64 indexes");
-  TORCH_CHECK(a.size(1) <= kMaxShrunk, "lora_add: more than ", kMaxShrunk, " A rows");
 
   const int64_t* row_ids = rows.data_ptr<int64_t>();
   const int64_t* offsets = group_offsets.data_ptr<int64_t>();
@@ -186,14 +197,23 @@ void lora_add(const at::Tensor& x, const at::Tensor& a, at::TensorList bt, at::T
   const int64_t* rank_of = ranks.data_ptr<int64_t>();
   const int64_t num_groups = group_slots.size(0);
   const int64_t num_tokens = x.size(0), num_slots = a.size(0), num_cols = a.size(1);
-  const int64_t max_rank = bt[0].size(1);
+  const int64_t max_rank = bt[0].size(1), in = x.size(1);
+  TORCH_CHECK(group_offsets.size(0) == num_groups + 1 && offsets[0] == 0,
+              "lora_add: group offsets out of range");
   std::vector<Block> blocks;
+  std::vector<Panel> panels;
   for (int64_t g = 0; g < num_groups; ++g) {
     TORCH_CHECK(slots[g] >= 0 && slots[g] < num_slots, "lora_add: slot out of range");
     TORCH_CHECK(offsets[g] <= offsets[g + 1] && offsets[g + 1] <= rows.size(0),
                 "lora_add: group offsets out of range");
     for (int64_t first = offsets[g]; first < offsets[g + 1]; first += kRows)
       blocks.push_back({g, first, std::min(kRows, offsets[g + 1] - first)});
+    if (offsets[g] == offsets[g + 1] || rank_of[slots[g]] == 0) continue;
+    for (int64_t i = 0; i < num_linears; ++i) {
+      if (blocks_of[slots[g] * num_linears + i] < 0) continue;
+      for (int64_t o = 0; o < bt[i].size(2); o += kPanel)
+        panels.push_back({g, i, o, std::min(o + kPanel, bt[i].size(2))});
+    }
   }
   for (int64_t i = 0; i < rows.size(0); ++i)
     TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < num_tokens, "lora_add: row out of range");
@@ -205,33 +225,45 @@ void lora_add(const at::Tensor& x, const at::Tensor& a, at::TensorList bt, at::T
                   "lora_add: a linear's block out of range");
   }
 
+  // Phase 1, row blocks across threads: every row's shrunk values, [rows, columns] float32.
+  std::vector<float> shrunk(static_cast<size_t>(rows.size(0) * num_cols));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_add", [&] {
     const scalar_t* x_data = x.data_ptr<scalar_t>();
     const scalar_t* a_data = a.data_ptr<scalar_t>();
     at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> shrunk(kRows * kMaxShrunk);
       for (int64_t b = begin; b < end; ++b) {
         const Block& block = blocks[b];
         const int64_t slot = slots[block.group], rank = rank_of[slot];
-        const int64_t* linear_block = blocks_of + slot * num_linears;
         int64_t num_blocks = 0;
-        for (int64_t i = 0; i < num_linears; ++i) num_blocks += linear_block[i] >= 0;
+        for (int64_t i = 0; i < num_linears; ++i) num_blocks += blocks_of[slot * num_linears + i] >= 0;
         if (rank == 0 || num_blocks == 0) continue;
         const scalar_t* x_rows[kRows];
         for (int64_t m = 0; m < kRows; ++m)
           x_rows[m] = x_data + row_ids[block.first + (m < block.count ? m : 0)] * x.stride(0);
-        shrink(x_rows, block.count, a_data + slot * num_cols * x.size(1), num_blocks * rank,
-               x.size(1), shrunk.data(), kMaxShrunk);
-        for (int64_t i = 0; i < num_linears; ++i) {
-          if (linear_block[i] < 0) continue;
-          scalar_t* out_data = outs[i].data_ptr<scalar_t>();
+        shrink(x_rows, block.count, a_data + slot * num_cols * in, num_blocks * rank, in,
+               shrunk.data() + block.first * num_cols, num_cols);
+      }
+    });
+    // Phase 2, panels across threads: a group's rows through a slice of a linear's outputs,
+    // four rows at a time over the same Bt columns.
+    at::parallel_for(0, static_cast<int64_t>(panels.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const Panel& panel = panels[p];
+        const int64_t slot = slots[panel.group], rank = rank_of[slot];
+        const int64_t block = blocks_of[slot * num_linears + panel.linear];
+        const at::Tensor& out = outs[panel.linear];
+        scalar_t* out_data = out.data_ptr<scalar_t>() + panel.begin;
+        const int64_t num_out = bt[panel.linear].size(2);
+        const scalar_t* bt_data =
+            bt[panel.linear].data_ptr<scalar_t>() + slot * max_rank * num_out + panel.begin;
+        for (int64_t first = offsets[panel.group]; first < offsets[panel.group + 1];
+             first += kRows) {
+          const int64_t count = std::min(kRows, offsets[panel.group + 1] - first);
           scalar_t* out_rows[kRows];
           for (int64_t m = 0; m < kRows; ++m)
-            out_rows[m] = out_data +
-                          row_ids[block.first + (m < block.count ? m : 0)] * outs[i].stride(0);
-          const int64_t num_out = bt[i].size(2);
-          expand(out_rows, block.count, shrunk.data() + linear_block[i] * rank, kMaxShrunk,
-                 bt[i].data_ptr<scalar_t>() + slot * max_rank * num_out, rank, num_out);
+            out_rows[m] = out_data + row_ids[first + (m < count ? m : 0)] * out.stride(0);
+          expand(out_rows, count, shrunk.data() + first * num_cols + block * rank, num_cols,
+                 bt_data, rank, panel.end - panel.begin, num_out);
         }
       }
     });

@@ -65,6 +65,7 @@ from rollout_engine.protocol.sampling_params import (  # noqa: F401
 from rollout_engine.protocol.state import (  # noqa: F401
     DEFAULT_MAX_MESSAGE_BYTES,
     KV_CACHE_TAG,
+    LORA_TAG,
     MEMORY_TAGS,
     SERVICE_NAME,
     SLEEP_MODES,

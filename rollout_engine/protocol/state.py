@@ -20,6 +20,9 @@ WEIGHTS_TAG = "weights"
 KV_CACHE_TAG = "kv_cache"
 MEMORY_TAGS: tuple[str, ...] = (WEIGHTS_TAG, KV_CACHE_TAG)
 """The engine's memory pools, in the order they are created and woken."""
+LORA_TAG = "lora"
+"""With LoRA enabled, the adapters' device slots: a pool that follows the weights (released by
+every sleep, mapped again with them; its contents are a cache of the adapters' host copies)."""
 
 SleepMode = Literal["abort", "wait", "keep"]
 """What sleep does to in-flight requests (vLLM's modes): end them with finish reason "abort",

@@ -12,6 +12,7 @@ import torch
 from memory import MemoryEventLog, MemoryManager, MemoryPool, TagState
 from rollout_engine.protocol import (
     KV_CACHE_TAG,
+    LORA_TAG,
     WEIGHTS_TAG,
     EngineSleepingError,
     MemoryState,
@@ -54,6 +55,14 @@ class EngineMemory:
         """The pool the model's parameters are carved out of (`ModelBackend.load`)."""
         return self.manager.create_pool(WEIGHTS_TAG, num_bytes)
 
+    def create_lora_pool(self, num_bytes: int) -> MemoryPool:
+        """The pool of the LoRA adapters' device slots (see `LORA_TAG`)."""
+        return self.manager.create_pool(LORA_TAG, num_bytes)
+
+    @property
+    def has_lora_pool(self) -> bool:
+        return LORA_TAG in self.manager.tags()
+
     def allocate_kv_cache(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """The KV cache tensor, zero-filled, as the only tenant of the "kv_cache" pool."""
         num_bytes = math.prod(shape) * dtype.itemsize
@@ -69,6 +78,8 @@ class EngineMemory:
             self.manager.mark_invalid(WEIGHTS_TAG)  # also drops a backup of an earlier level 1
             self._weights_discard_cause = "sleep"
         self.manager.sleep(KV_CACHE_TAG, offload=False)
+        if self.has_lora_pool:  # a cache of the adapters' host copies: discarded, never copied
+            self.manager.sleep(LORA_TAG, offload=False)
         self._update_ready()
 
     def release_kv_cache(self) -> None:
@@ -85,6 +96,10 @@ class EngineMemory:
                 self.manager.pool(tag).zero_()
         if KV_CACHE_TAG in tags:
             self.manager.mark_valid(KV_CACHE_TAG)  # KV is scratch: mapped means usable
+        if WEIGHTS_TAG in tags and self.has_lora_pool and not self.manager.is_mapped(LORA_TAG):
+            self.manager.wake(LORA_TAG)
+            self.manager.pool(LORA_TAG).zero_()
+            self.manager.mark_valid(LORA_TAG)  # empty slots, filled as steps need them
         self._update_ready()
 
     def begin_weight_update(self) -> None:
@@ -159,6 +174,7 @@ class EngineMemory:
         self._is_ready = (
             self.manager.state(WEIGHTS_TAG) is TagState.AWAKE
             and self.manager.is_mapped(KV_CACHE_TAG)
+            and (not self.has_lora_pool or self.manager.is_mapped(LORA_TAG))
         )
 
     # ------------------------------------------------------------------ accounting

@@ -9,6 +9,7 @@ import torch
 
 from kernels import kv_cache_layout
 from memory import MemoryEventLog
+from memory.pool import ALIGNMENT_BYTES
 from rollout_engine.batch_invariant import drop_packed_weights
 from rollout_engine.config import EngineConfig
 from rollout_engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -85,6 +86,9 @@ class Worker:
             self.lora = LoRASlots(lora_config.max_loras, self.device)
             self.max_lora_rank = lora_config.max_lora_rank
             model.attach_lora(self.lora, lora_config.max_lora_rank, self.dtype)
+            slack = ALIGNMENT_BYTES * (1 + sum(1 + len(p.bt) for p in self.lora.points))
+            pool = self.memory.create_lora_pool(self.lora.num_bytes + slack)
+            self.lora.move_into(pool.allocate)
 
     def add_lora(self, adapter_id: int, peft_config: Mapping[str, Any],
                  tensors: Mapping[str, torch.Tensor]) -> LoRAWeights:
@@ -227,6 +231,8 @@ class Worker:
         if self.batch_invariant:
             drop_packed_weights()  # packed again by the first step after waking
         self.memory.sleep(level)
+        if self.lora is not None:
+            self.lora.forget_slots()  # their pool is released
         self._return_cached_device_memory()
 
     def wake_up(self, tags: Sequence[str]) -> None:

@@ -253,3 +253,26 @@ def test_moe_model_with_attention_adapter(tmp_path):
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
     outputs = llm.generate(prompts, GREEDY, lora_request=[lora, None])
     check_against_peft(outputs, prompts, [lora, None], oracle)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_adapter_slots_sleep_and_wake_with_the_weights(llama_dir, adapters, oracles, level):
+    """The slots' `lora` pool is released by every sleep and mapped again with the weights;
+    the adapters come back from their host copies and serve as before."""
+    from rollout_engine.protocol import LORA_TAG
+
+    llm = LLM(str(llama_dir), enable_lora=True, max_loras=2)
+    prompts, loras = prompts_and_loras(adapters, num_prompts=4)
+    check_against_peft(llm.generate(prompts, GREEDY, lora_request=loras), prompts, loras, oracles)
+    state = llm.engine.memory_state().tags[LORA_TAG]
+    assert state.mapped and state.num_bytes >= llm.engine.worker.lora.num_bytes
+    llm.sleep(level)
+    assert not llm.engine.memory_state().tags[LORA_TAG].mapped
+    llm.wake_up(["weights"])
+    assert llm.engine.memory_state().tags[LORA_TAG].mapped
+    if level == 2:  # the base weights were discarded: put them back
+        from safetensors.torch import load_file
+
+        llm.update_weights(list(load_file(str(llama_dir / "model.safetensors")).items()))
+    llm.wake_up(["kv_cache"])
+    check_against_peft(llm.generate(prompts, GREEDY, lora_request=loras), prompts, loras, oracles)

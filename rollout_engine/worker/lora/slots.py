@@ -21,7 +21,7 @@ scheduler never runs more than `max_loras` at once), reusing the least recently 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -248,3 +248,18 @@ class LoRASlots:
     def num_bytes(self) -> int:
         """Device memory of the slots."""
         return sum(point.num_bytes for point in self.points)
+
+    def move_into(self, allocate: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> None:
+        """Give every point's weights their place in a pool (`allocate(shape, dtype)`), empty."""
+        for point in self.points:
+            point.a = allocate(point.a.shape, point.a.dtype)
+            point.bt = [allocate(bt.shape, bt.dtype) for bt in point.bt]
+        self.forget_slots()
+
+    def forget_slots(self) -> None:
+        """Every slot empty (its memory was released or zeroed): adapters are put back into
+        slots by the steps that run them."""
+        self._slot_of.clear()
+        for point in self.points:
+            for slot in range(self.max_loras):
+                point.clear(slot)
