@@ -68,6 +68,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--transports", nargs="+", default=["shm", "stream"],
                         choices=["shm", "stream"])
     parser.add_argument("--skip", nargs="*", default=[], choices=["sync", "decode", "vllm"])
+    parser.add_argument("--greedy-check", action="store_true",
+                        help="then greedy tokens under the adapters (rank 16 or the first of "
+                        "--ranks, one per prompt), ours against vLLM's")
     parser.add_argument("--json", help="also write the results to this file")
     return parser.parse_args()
 
@@ -193,6 +196,26 @@ def bench_vllm(model_dir: str, adapters: dict[int, list[Path]], prompts, args) -
     return best
 
 
+def greedy_check(model_dir: str, paths: list[Path], prompts, args) -> tuple[int, int]:
+    """(identical sequences, prompts): greedy tokens of every prompt under adapter i % count,
+    ours against vLLM's."""
+    rank = 16 if 16 in args.ranks else args.ranks[0]
+    llm = LLM(model_dir, enable_lora=True, max_loras=len(paths), max_lora_rank=rank,
+              kv_cache_bytes=1024**3, cpu_threads=args.threads)
+    loras = [LoRARequest(f"g{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    ours = llm.generate(prompts, params,
+                        lora_request=[loras[i % len(loras)] for i in range(len(prompts))])
+    llm.engine.shutdown()
+    theirs = run_vllm(model_dir, prompts, n=1, max_tokens=args.max_tokens,
+                      max_model_len=args.max_prompt_len + args.max_tokens + 16,
+                      max_num_batched_tokens=2048, threads=args.threads, greedy=True,
+                      lora_paths=[str(p) for p in paths], max_lora_rank=rank,
+                      enforce_eager=True)["token_ids"]
+    same = sum(list(o.outputs[0].token_ids) == t for o, t in zip(ours, theirs))
+    return same, len(prompts)
+
+
 # ---------------------------------------------------------------------------------- main
 def print_decode_table(ours: dict, vllm: dict) -> None:
     print("\n| adapters | rank | ours tok/s | vs base | vLLM tok/s | vLLM vs its base |")
@@ -243,6 +266,15 @@ def main() -> None:
             print_decode_table(ours, vllm)
             results["decode"] = {str(k): v for k, v in ours.items()}
             results["vllm_decode"] = {str(k): v for k, v in vllm.items()}
+        if args.greedy_check and vllm_available():
+            from transformers import AutoConfig
+
+            prompts = make_prompts(args, AutoConfig.from_pretrained(model_dir).vocab_size)
+            rank = 16 if 16 in args.ranks else args.ranks[0]
+            same, total = greedy_check(model_dir, adapters[rank], prompts, args)
+            print(f"greedy under {len(adapters[rank])} adapters (r={rank}): {same} of {total} "
+                  "sequences identical to vLLM's")
+            results["greedy_identical"] = [same, total]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
 

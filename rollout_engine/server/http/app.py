@@ -24,7 +24,7 @@ from rollout_engine.server.http import (
     completions,
     control,
     info,
-    lora,
+    lora_adapters,
     responses,
     tokenize,
 )
@@ -58,7 +58,7 @@ def build_app(serving: ServingContext) -> FastAPI:
         app.include_router(tokenize.tokenizer_info_router)
     if serving.control_endpoints_enabled:
         app.include_router(control.router)
-        app.include_router(lora.router)
+        app.include_router(lora_adapters.router)
     install_error_handlers(app)
     if serving.config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=serving.config.api_key)
