@@ -106,7 +106,9 @@ class RecordingProxy:
 
 
 class StampedTransfer(EngineWeightTransfer):
-    """EngineWeightTransfer that notes when each pause and resume happened."""
+    """EngineWeightTransfer that notes when each pause and resume happened: a pause once it has
+    taken effect (a request sent while the pause call was on its way is kept too), a resume
+    once it has."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -114,8 +116,8 @@ class StampedTransfer(EngineWeightTransfer):
         self.resumed_s: list[float] = []
 
     def pause(self) -> None:
-        self.paused_s.append(time.monotonic())
         super().pause()
+        self.paused_s.append(time.monotonic())
 
     def resume(self) -> None:
         super().resume()

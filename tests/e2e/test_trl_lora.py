@@ -57,6 +57,7 @@ def test_grpo_with_a_lora_policy_syncs_only_the_adapter(lora_engine, llama_dir, 
     client.close()
 
 
+@pytest.mark.slow  # a server of its own, for one refusal
 def test_lora_sync_refused_on_an_engine_without_lora(tmp_path_factory, llama_dir, tmp_path):
     log_path = tmp_path_factory.mktemp("plain") / "server.log"
     with EngineServer(llama_dir, engine_options={"kv_cache_bytes": "8MiB", "max_model_len": 48},
