@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -68,6 +69,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--transports", nargs="+", default=["shm", "stream"],
                         choices=["shm", "stream"])
     parser.add_argument("--skip", nargs="*", default=[], choices=["sync", "decode", "vllm"])
+    parser.add_argument("--vllm-timeout-s", type=float, default=600.0,
+                        help="give a vLLM job up after this long (its LoRA decode on the CPU "
+                        "can take far longer than ours)")
     parser.add_argument("--greedy-check", action="store_true",
                         help="then greedy tokens under the adapters (rank 16 or the first of "
                         "--ranks, one per prompt), ours against vLLM's")
@@ -187,7 +191,11 @@ def bench_vllm(model_dir: str, adapters: dict[int, list[Path]], prompts, args) -
                               max_model_len=args.max_prompt_len + args.max_tokens + 16,
                               max_num_batched_tokens=2048, threads=args.threads,
                               repeats=args.repeats, lora_paths=paths,
-                              max_lora_rank=max(adapters), enforce_eager=True)
+                              max_lora_rank=max(adapters), enforce_eager=True,
+                              timeout_s=args.vllm_timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"  vLLM {key}: not done after {args.vllm_timeout_s:.0f} s, given up")
+            continue
         except RuntimeError as exc:
             print(f"  vLLM {key}: failed: {str(exc).splitlines()[-1][:200]}")
             continue
