@@ -15,10 +15,13 @@ from typing import Any
 
 import torch
 
-from trainer_bridge.trainer_weights import is_peft_model
+from trainer_bridge.trainer_weights import (
+    CHECKPOINT_WRAPPER,
+    is_peft_model,
+    peft_base_weights,
+)
 
 DEFAULT_LORA_NAME = "policy"
-_CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."
 
 
 class PolicyAdapter:
@@ -42,17 +45,11 @@ class PolicyAdapter:
         from peft import get_peft_model_state_dict
 
         tensors = get_peft_model_state_dict(self.model, adapter_name=self.adapter_name)
-        return {name.replace(_CHECKPOINT_WRAPPER, ""): t.detach() for name, t in tensors.items()}
+        return {name.replace(CHECKPOINT_WRAPPER, ""): t.detach() for name, t in tensors.items()}
 
     def base_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor) of every base weight, the adapter left out, unmerged."""
-        prefix = getattr(getattr(self.model, "base_model", self.model), "prefix", "lora_")
-        for name, param in self.model.named_parameters():
-            if prefix in name or "original_module" in name:
-                continue
-            name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-            name = name.replace("modules_to_save.default.", "").replace(_CHECKPOINT_WRAPPER, "")
-            yield name, param.data
+        return peft_base_weights(self.model)
 
     def num_adapter_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.adapter().values())

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-_CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."
+CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:
@@ -50,22 +50,28 @@ def iter_policy_weights(
         yield from _merged_peft_weights(model)
     else:
         for name, param in model.named_parameters():
-            yield name.replace(_CHECKPOINT_WRAPPER, ""), param.data
+            yield name.replace(CHECKPOINT_WRAPPER, ""), param.data
 
 
 def _merged_peft_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Merged base weights of a PEFT model; merged only while the iteration runs."""
-    prefix = getattr(getattr(model, "base_model", model), "prefix", "lora_")
     model.merge_adapter()
     try:
-        for name, param in model.named_parameters():
-            if prefix in name or "original_module" in name:
-                continue  # adapter weights, and the copy modules_to_save keeps of the original
-            name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-            name = name.replace("modules_to_save.default.", "").replace(_CHECKPOINT_WRAPPER, "")
-            yield name, param.data
+        yield from peft_base_weights(model)
     finally:
         model.unmerge_adapter()
+
+
+def peft_base_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) of a PEFT model's base weights as they are now (merged or
+    not): adapter tensors skipped, PEFT's name prefixes removed."""
+    prefix = getattr(getattr(model, "base_model", model), "prefix", "lora_")
+    for name, param in model.named_parameters():
+        if prefix in name or "original_module" in name:
+            continue  # adapter weights, and the copy modules_to_save keeps of the original
+        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        name = name.replace("modules_to_save.default.", "").replace(CHECKPOINT_WRAPPER, "")
+        yield name, param.data
 
 
 def _gathered_by_trl(model: torch.nn.Module, accelerator: Any) -> Iterator[tuple[str, torch.Tensor]]:
