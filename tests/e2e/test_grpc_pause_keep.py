@@ -123,7 +123,10 @@ def test_a_request_sent_during_a_wait_pause_runs_after_the_resume(client, llama_
     refused nor scheduled (the drain would never end): it queues, and runs after the resume
     (vLLM's pause queues it the same way). One cancelled by its caller while held never runs."""
     results: dict[str, object] = {}
-    reader = start_long_stream(client, 400, results, "drained_stream")
+    # Long enough to drain for a while on a fast machine (the tiny model steps in well under
+    # a millisecond): several streams to the model's length.
+    others = [start_long_stream(client, 1000, results, f"other_{i}") for i in range(3)]
+    reader = start_long_stream(client, 1000, results, "drained_stream")
     pause = threading.Thread(target=lambda: results.update(
         drained=client.pause_generation("wait")))
     pause.start()
@@ -135,8 +138,9 @@ def test_a_request_sent_during_a_wait_pause_runs_after_the_resume(client, llama_
         client.generate([PROMPTS[1]], GREEDY, timeout=0.3)
     assert reader.is_alive() and pause.is_alive()  # both were sent during the drain
     pause.join(120)
-    reader.join(120)
-    assert results["drained"] == 1
+    for thread in [reader, *others]:
+        thread.join(120)
+    assert results["drained"] == 1 + len(others)
     assert results["drained_stream"][-1].outputs[0].finish_reason == "length"
     time.sleep(0.2)
     assert client.is_paused() and "late" not in results  # queued, not run
