@@ -174,14 +174,16 @@ class CompletionOutput(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., weight_version: _Optional[int] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ...) -> None: ...
 
 class WeightVersionSpan(_message.Message):
-    __slots__ = ("version", "start", "end")
+    __slots__ = ("version", "start", "end", "lora_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    LORA_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     start: int
     end: int
-    def __init__(self, version: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+    lora_version: int
+    def __init__(self, version: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., lora_version: _Optional[int] = ...) -> None: ...
 
 class CompletionDelta(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs", "top_logprobs")
@@ -508,14 +510,16 @@ class UpdateWeightsResponse(_message.Message):
     def __init__(self, manifest_accepted: _Optional[bool] = ..., bucket_done: _Optional[int] = ..., weight_version: _Optional[int] = ..., lora_adapter: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
 
 class LoRAAdapter(_message.Message):
-    __slots__ = ("lora_name", "lora_int_id", "lora_path")
+    __slots__ = ("lora_name", "lora_int_id", "lora_path", "version")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_INT_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     lora_name: str
     lora_int_id: int
     lora_path: str
-    def __init__(self, lora_name: _Optional[str] = ..., lora_int_id: _Optional[int] = ..., lora_path: _Optional[str] = ...) -> None: ...
+    version: int
+    def __init__(self, lora_name: _Optional[str] = ..., lora_int_id: _Optional[int] = ..., lora_path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class LoadLoRAAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path", "load_inplace")

@@ -18,7 +18,7 @@ from rollout_engine.protocol import (
     CompletionOutput,
     EngineError,
     InvalidRequestError,
-    LoRARequest,
+    LoadedLoRA,
     RequestOutput,
     SamplingParams,
     TopLogprobs,
@@ -123,8 +123,9 @@ def apply_generate_response(snapshot: RequestOutput, message: pb.GenerateRespons
     snapshot.outputs.sort(key=lambda o: o.index)
 
 
-def lora_from_proto(message: pb.LoRAAdapter) -> LoRARequest:
-    return LoRARequest(message.lora_name, int(message.lora_int_id), message.lora_path)
+def lora_from_proto(message: pb.LoRAAdapter) -> LoadedLoRA:
+    return LoadedLoRA(message.lora_name, int(message.lora_int_id), message.lora_path,
+                      int(message.version))
 
 
 def peft_config_json(peft_config: Mapping[str, Any] | Any) -> str:

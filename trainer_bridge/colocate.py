@@ -23,7 +23,7 @@ from rollout_engine.protocol import (
     KV_CACHE_TAG,
     WEIGHTS_TAG,
     EngineError,
-    LoRARequest,
+    LoadedLoRA,
     SleepLevel,
     SleepMode,
     check_sleep_mode,
@@ -126,7 +126,7 @@ class Colocation:
         self.num_weight_pushes = 0
         self.num_adapter_pushes = 0
         self.weight_version = 0
-        self.adapter: LoRARequest | None = None
+        self.adapter: LoadedLoRA | None = None
         """LoRA policies (`sync_adapter`): the adapter the engine serves the policy as."""
         self.attach(client)
 
@@ -228,7 +228,7 @@ class Colocation:
         self.needs_weights = self.is_weights_discarded = False
         return self.weight_version
 
-    def sync_adapter(self, policy: PolicyAdapter) -> LoRARequest:
+    def sync_adapter(self, policy: PolicyAdapter) -> LoadedLoRA:
         """A LoRA policy served unmerged: push only its adapter (loaded in place under
         `policy.lora_name`: requests running under the previous version finish under it, and
         no prefix-cache entry of another version is served), and the base weights only when

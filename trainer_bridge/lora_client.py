@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from protos import rollout_pb2 as pb
-from rollout_engine.protocol import EngineError, LoRAError, LoRARequest
+from rollout_engine.protocol import EngineError, LoadedLoRA, LoRAError
 from trainer_bridge import transports
 from trainer_bridge.client_messages import lora_from_proto, peft_config_json
 
@@ -29,7 +29,7 @@ class LoRAClient:
         transport: str = "auto",
         timeout: float | None = None,
         dtype: torch.dtype | None = None,
-    ) -> LoRARequest:
+    ) -> LoadedLoRA:
         """Load a LoRA adapter (vLLM's `load_lora_adapter`): from a PEFT directory on the
         server's disk (`lora_path`), or from memory: `weights` (the adapter's tensors under
         PEFT's names, as `get_peft_model_state_dict` gives them) and `peft_config` (a
@@ -59,7 +59,7 @@ class LoRAClient:
                                pb.UnloadLoRAAdapterRequest(lora_name=lora_name), timeout)
         return reply.removed
 
-    def list_lora_adapters(self, timeout: float | None = None) -> list[LoRARequest]:
+    def list_lora_adapters(self, timeout: float | None = None) -> list[LoadedLoRA]:
         reply = self._retrying(self._stub.ListLoRAAdapters, pb.ListLoRAAdaptersRequest(), timeout)
         return [lora_from_proto(adapter) for adapter in reply.adapters]
 

@@ -15,6 +15,15 @@ the new weights after the sync instead of being aborted, so a rollout may span t
         args=AsyncGRPOConfig(..., vllm_server_base_url="http://127.0.0.1:8000"))
     trainer.train()
 
+A PEFT (LoRA) policy is served unmerged when the engine runs with `--enable-lora` (TRL reads
+that from `/server_info`, with its own checks of the adapter and of `--max-loras` against
+`max_staleness`): each sync loads the adapter alone as a new version, `trl-policy-v{N}`, which
+the worker's requests then name, and unloads the one that fell out of the staleness window, as
+TRL's AsyncGRPO does with vLLM. `lora_sync` says how the adapter travels: "memory" (the
+default) pushes its tensors over the gRPC transports, no disk; "path" is TRL's own sync (the
+adapter saved under `output_dir`, read by the server through `/v1/load_lora_adapter`: the
+server must see that directory); "merged" merges it into the base and pushes full weights.
+
 With `tools=`, the worker sends each turn after the first as token in
 (`/v1/chat/completions/tokens`, trl_async_turns.py), so every turn extends the tokens the
 trainer holds: serve with `--trust-request-chat-template` (the worker sends its template).
@@ -27,10 +36,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from trl.experimental.async_grpo import (
@@ -39,7 +50,10 @@ from trl.experimental.async_grpo import (
     async_rollout_worker,
 )
 
+from rollout_engine.protocol import LoadedLoRA
 from trainer_bridge.client import EngineClient
+from trainer_bridge.lora_sync import PolicyAdapter
+from trainer_bridge.trainer_weights import is_peft_model
 from trainer_bridge.transports import WeightManifest, named_tensors
 from trainer_bridge.trl_async_turns import TokenInRolloutWorker
 
@@ -54,6 +68,13 @@ class WeightSync:
     """The engine's weight version after the update."""
     num_kept_requests: int
     """Requests in flight at the pause, kept (not aborted) across the update."""
+    adapter: LoadedLoRA | None = None
+    """A LoRA policy's sync: the adapter version it loaded (the base weights untouched)."""
+    num_bytes: int = 0
+    """Bytes of tensors pushed."""
+
+
+LoRASync = Literal["memory", "path", "merged"]
 
 
 class EngineWeightTransfer:
@@ -106,7 +127,19 @@ class EngineWeightTransfer:
             self._check_dtype(self._manifest, dtype)
         version = self.client.update_weights(weights, transport=self.transport,
                                              manifest=self._manifest, dtype=dtype)
-        self.syncs.append(WeightSync(version, self._num_kept_requests))
+        self.syncs.append(WeightSync(version, self._num_kept_requests,
+                                     num_bytes=self._manifest.num_bytes))
+
+    def send_adapter(self, policy: PolicyAdapter) -> LoadedLoRA:
+        """Push a LoRA policy's adapter alone, from memory, as `policy.lora_name` (between
+        `pause` and `resume`, as `send_weights`)."""
+        dtype = self.weight_dtype if isinstance(self.weight_dtype, torch.dtype) else None
+        adapter = self.client.load_lora_adapter(policy.lora_name, policy.adapter(),
+                                                policy.peft_config, transport=self.transport,
+                                                dtype=dtype)
+        self.syncs.append(WeightSync(self.client.info().weight_version, self._num_kept_requests, adapter,
+                                     policy.num_adapter_bytes()))
+        return adapter
 
     def resume(self) -> None:
         self.client.resume_generation()
@@ -139,7 +172,8 @@ class EngineAsyncGRPOTrainer(AsyncGRPOTrainer):
     """`AsyncGRPOTrainer` whose weights go to the engine through an `EngineWeightTransfer`
     (`weight_transfer`, or one built for `engine`: a gRPC address or client); TRL's rollout
     worker generates over the engine's HTTP API at `args.vllm_server_base_url`, its later tool
-    turns as token in (trl_async_turns.py); `request_extras` join every generation request."""
+    turns as token in (trl_async_turns.py); `request_extras` join every generation request.
+    A LoRA policy syncs its adapter alone, as `lora_sync` says (see the module doc)."""
 
     def __init__(
         self,
@@ -147,15 +181,75 @@ class EngineAsyncGRPOTrainer(AsyncGRPOTrainer):
         engine: EngineClient | str | None = None,
         weight_transfer: EngineWeightTransfer | None = None,
         request_extras: dict[str, Any] | None = None,
+        lora_sync: LoRASync = "memory",
         **kwargs: Any,
     ) -> None:
         if (engine is None) == (weight_transfer is None):
             raise TypeError("pass either `engine` (a gRPC address or EngineClient) or "
                             "`weight_transfer` (an EngineWeightTransfer), not both")
+        if lora_sync not in get_args(LoRASync):
+            raise ValueError(f"lora_sync must be one of {get_args(LoRASync)}, got {lora_sync!r}")
         if weight_transfer is None:
             weight_transfer = EngineWeightTransfer(engine)
+        self.engine_transfer = weight_transfer
+        self.lora_sync = lora_sync
+        # TRL syncs an adapter alone only when it owns the sync (no weight_transfer given);
+        # its adapter sync then runs through `_sync_weight_lora` below.
+        adapter_sync = lora_sync != "merged" and _trains_peft_model(args, kwargs)
         with _token_in_rollout_worker(request_extras):
-            super().__init__(*args, weight_transfer=weight_transfer, **kwargs)
+            super().__init__(*args, weight_transfer=None if adapter_sync else weight_transfer,
+                             **kwargs)
+        if adapter_sync and lora_sync == "memory" and self.is_fsdp_enabled:
+            raise ValueError("lora_sync='memory' reads the adapter on the main process, which "
+                             "FSDP shards: use lora_sync='path' (TRL's collective save)")
+
+    def _init_lora_sync(self, model: Any) -> bool:
+        """TRL's probe of the server (`/server_info`) and of the adapter; here a refusal is an
+        error, since TRL's fallback (merged weights over NCCL) is not this engine's."""
+        if not super()._init_lora_sync(model):
+            raise ValueError(
+                "the engine cannot serve this LoRA policy unmerged (TRL's warning above says "
+                "why): serve it with --enable-lora, or pass lora_sync='merged'")
+        return True
+
+    def _sync_weight_lora(self, t0: float) -> tuple[float, float, float]:
+        """Load the adapter as `trl-policy-v{N}`: from memory over gRPC ("memory"), or by
+        TRL's own path sync ("path"); unload the version the staleness window let go."""
+        if self.lora_sync == "path":
+            return super()._sync_weight_lora(t0)
+        version = self.model_version + 1
+        transfer, is_main = self.engine_transfer, self.accelerator.is_main_process
+        if is_main:
+            if not transfer.syncs:
+                transfer.init_weight_transfer()
+            transfer.pause()
+        t_pause = time.time()
+        self.accelerator.wait_for_everyone()
+        t_barrier = time.time()
+        if is_main:
+            transfer.send_adapter(PolicyAdapter(
+                self.accelerator.unwrap_model(self.model), f"{self._lora_name}-v{version}",
+                adapter_name=self._adapter_name))
+        t_transfer = time.time()
+        self.accelerator.wait_for_everyone()
+        if is_main:
+            # Loaded before the worker's version moves: it names the adapter by that version.
+            transfer.resume()
+            stale_version = version - (self.args.max_staleness + 1)
+            if stale_version > 0:
+                transfer.client.unload_lora_adapter(f"{self._lora_name}-v{stale_version}")
+            self.model_version = version
+            if self.rollout_worker:
+                self.rollout_worker.update_model_version(version)
+        return t_pause, t_barrier, t_transfer
+
+
+def _trains_peft_model(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether AsyncGRPOTrainer(*args, **kwargs) trains a PEFT model (given, or built from
+    `peft_config`)."""
+    bound = inspect.signature(AsyncGRPOTrainer.__init__).bind_partial(None, *args, **kwargs)
+    arguments = bound.arguments
+    return arguments.get("peft_config") is not None or is_peft_model(arguments.get("model"))
 
 
 @contextlib.contextmanager

@@ -184,7 +184,7 @@ class Request:
         if spans and spans[-1].version == version and spans[-1].end == index:
             spans[-1].end += 1
         else:
-            spans.append(WeightVersionSpan(version, index, index + 1))
+            spans.append(WeightVersionSpan(version, index, index + 1, self.lora_id))
 
     def set_prompt_logprobs(self, first_position: int, entries: list[TopLogprobs]) -> None:
         """Logprobs of prompt positions [first_position, +len(entries)) (recomputed after a

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_engine.config import LoRAConfig
-from rollout_engine.protocol import LoRAError, LoRARequest
+from rollout_engine.protocol import LoadedLoRA, LoRAError, LoRARequest
 from rollout_engine.worker.lora.adapter import load_peft_adapter
 
 
@@ -141,6 +141,11 @@ class LoRARegistry:
     def by_name(self, lora_name: str) -> LoRARequest | None:
         return next((a.request for a in self._adapters.values()
                      if a.request.lora_name == lora_name), None)
+
+    def loaded(self) -> list[LoadedLoRA]:
+        """The adapters with the load each serves from (what servers report)."""
+        return [LoadedLoRA(a.request.lora_name, a.request.lora_int_id, a.request.lora_path,
+                           a.lora_id) for a in self._adapters.values()]
 
     def _load(self, adapter: _Adapter, peft_config, tensors) -> None:
         if peft_config is None:

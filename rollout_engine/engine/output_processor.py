@@ -11,7 +11,7 @@ any other a sample's text once it finished (rollout_engine.engine.detokenizer).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from rollout_engine.core.request import Request
@@ -21,7 +21,6 @@ from rollout_engine.protocol import (
     RequestOutput,
     RequestOutputKind,
     TopLogprobs,
-    WeightVersionSpan,
 )
 
 if TYPE_CHECKING:
@@ -202,8 +201,7 @@ class OutputProcessor:
             stop_str=request.stop_str,
             stop_token_id=request.stop_token_id,
             # Copies: the request's last span grows after this output is handed out.
-            weight_versions=[WeightVersionSpan(s.version, s.start, s.end)
-                             for s in request.weight_versions],
+            weight_versions=[replace(span) for span in request.weight_versions],
         )
 
     @staticmethod

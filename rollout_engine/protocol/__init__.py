@@ -38,7 +38,7 @@ from rollout_engine.protocol.exceptions import (  # noqa: F401
     WeightUpdateError,
     error_from_status,
 )
-from rollout_engine.protocol.lora import LoRARequest  # noqa: F401
+from rollout_engine.protocol.lora import LoadedLoRA, LoRARequest  # noqa: F401
 from rollout_engine.protocol.outputs import (  # noqa: F401
     CompletionOutput,
     FinishReason,

@@ -23,3 +23,22 @@ class LoRARequest:
         if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) \
                 or self.lora_int_id < 1:
             raise LoRAError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
+
+
+@dataclass(frozen=True)
+class LoadedLoRA:
+    """An adapter as a server holds it: its name, id and path, and `version`, the load its
+    weights came from. Every load gets a new number, engine-wide (a first load, an in-place
+    replacement, a re-read from its path after host memory dropped it); 0 while it is not held
+    in memory. A completion's `weight_versions` name the load that sampled it
+    (`WeightVersionSpan.lora_version`), so a trainer can tell an old adapter from its
+    in-place replacement."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    version: int
+
+    @property
+    def request(self) -> LoRARequest:
+        return LoRARequest(self.lora_name, self.lora_int_id, self.lora_path)

@@ -54,11 +54,15 @@ class TopLogprobs:
 
 @dataclass
 class WeightVersionSpan:
-    """Output tokens [start, end) of a completion were sampled by weight version `version`."""
+    """Output tokens [start, end) of a completion were sampled by weight version `version`,
+    under the load `lora_version` of the request's LoRA adapter (`LoadedLoRA.version`; 0: the
+    base model). A request keeps its adapter load to the end, an in-place replacement
+    included."""
 
     version: int
     start: int
     end: int
+    lora_version: int = 0
 
 
 @dataclass

@@ -15,6 +15,7 @@ import torch
 from rollout_engine.protocol import (
     EngineInfo,
     InternalError,
+    LoadedLoRA,
     LoRARequest,
     MemoryState,
     PauseMode,
@@ -208,8 +209,12 @@ class AsyncEngine:
 
         return await self._loop.call(unload)
 
-    async def lora_adapters(self) -> list[LoRARequest]:
-        return await self._loop.call(self._engine.loras.list)
+    async def lora_adapters(self) -> list[LoadedLoRA]:
+        return await self._loop.call(self._engine.loras.loaded)
+
+    async def loaded_lora(self, lora_name: str) -> LoadedLoRA | None:
+        """The loaded adapter of this name and its load (None: no such adapter)."""
+        return next((a for a in await self.lora_adapters() if a.lora_name == lora_name), None)
 
     async def lora_request(self, lora_name: str) -> LoRARequest | None:
         """The loaded adapter of this name (None: no such adapter)."""
@@ -372,13 +377,13 @@ class LoRAPush:
 
         return asyncio.wrap_future(self._engine_loop.submit(stage))
 
-    async def finish(self) -> LoRARequest:
-        """Load the adapter; the LoRARequest it is served under."""
-        def load() -> LoRARequest:
+    async def finish(self) -> LoadedLoRA:
+        """Load the adapter; it, as it is served (its load included)."""
+        def load() -> LoadedLoRA:
             loras = self._engine.loras
             loras.add_named(self._lora_name, "", self._peft_config, self._tensors,
                             self._load_inplace)
-            return loras.by_name(self._lora_name)
+            return next(a for a in loras.loaded() if a.lora_name == self._lora_name)
 
         try:
             return await self._engine_loop.call(load)

@@ -15,8 +15,8 @@ from rollout_engine.protocol import (
     CompletionOutput,
     EngineInfo,
     InvalidRequestError,
+    LoadedLoRA,
     LoRAError,
-    LoRARequest,
     MemoryState,
     RequestOutput,
     SamplingParams,
@@ -92,9 +92,9 @@ def weight_manifest_from_proto(
     return entries
 
 
-def lora_to_proto(lora: LoRARequest) -> pb.LoRAAdapter:
+def lora_to_proto(lora: LoadedLoRA) -> pb.LoRAAdapter:
     return pb.LoRAAdapter(lora_name=lora.lora_name, lora_int_id=lora.lora_int_id,
-                          lora_path=lora.lora_path)
+                          lora_path=lora.lora_path, version=lora.version)
 
 
 def lora_target_from_proto(manifest: pb.WeightManifest) -> tuple[str, dict, bool] | None:

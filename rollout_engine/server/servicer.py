@@ -175,7 +175,7 @@ class RolloutEngineServicer(pb_grpc.RolloutEngineServicer):
             raise LoRAError("LoadLoRAAdapter needs a lora_path (push tensors with UpdateWeights)")
         added = await self.engine.load_lora_adapter(request.lora_name, request.lora_path,
                                                     load_inplace=request.load_inplace)
-        adapter = await self.engine.lora_request(request.lora_name)
+        adapter = await self.engine.loaded_lora(request.lora_name)
         return pb.LoadLoRAAdapterResponse(added=added, adapter=convert.lora_to_proto(adapter))
 
     @unary

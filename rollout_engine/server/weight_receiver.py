@@ -14,7 +14,7 @@ import torch
 from memory.shm import SHM_DIR
 from protos import rollout_pb2 as pb
 from protos.weight_codec import RawChunk, copy_bytes, stream_chunk_buffer
-from rollout_engine.protocol import InvalidRequestError, LoRARequest, WeightUpdateError
+from rollout_engine.protocol import InvalidRequestError, LoadedLoRA, WeightUpdateError
 from rollout_engine.server.convert import (
     lora_target_from_proto,
     lora_to_proto,
@@ -90,7 +90,7 @@ class WeightUpdateReceiver:
             return pb.UpdateWeightsResponse(bucket_done=message.bucket.bucket_id)
         if kind == "commit":
             committed = await self._commit()
-            if isinstance(committed, LoRARequest):
+            if isinstance(committed, LoadedLoRA):
                 return pb.UpdateWeightsResponse(lora_adapter=lora_to_proto(committed))
             return pb.UpdateWeightsResponse(weight_version=committed)
         raise WeightUpdateError(f"unexpected {kind!r} message after the manifest")
@@ -100,7 +100,7 @@ class WeightUpdateReceiver:
             writing, self._writing = self._writing, None
             await writing
 
-    async def _commit(self) -> int | LoRARequest:
+    async def _commit(self) -> int | LoadedLoRA:
         incomplete = self._assembler.incomplete()
         if incomplete:
             raise WeightUpdateError(

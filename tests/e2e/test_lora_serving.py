@@ -81,6 +81,10 @@ def test_http_model_names_the_adapter(server, oai, oracles, llama_dir):
     assert http_tokens(oai, base) == (base, peft_greedy(oracles[None], PROMPT, MAX_TOKENS))
     with pytest.raises(openai.NotFoundError):
         http_tokens(oai, "nope")
+    # TRL's AsyncGRPO reads its adapter-only sync capability here.
+    info = requests.get(f"{server.http_url}/server_info", params={"config_format": "json"},
+                        timeout=30).json()["vllm_config"]
+    assert info["lora_config"] == {"max_lora_rank": 16, "max_loras": 2, "max_cpu_loras": 2}
 
 
 def test_http_load_and_unload(server, oai, oracles, adapter_dirs):
@@ -105,6 +109,10 @@ def test_http_load_and_unload(server, oai, oracles, adapter_dirs):
 def test_grpc_lora_name_and_push_from_memory(client, oracles):
     (output,) = client.generate([PROMPT], greedy(), lora_name="qv")
     assert output.outputs[0].token_ids == peft_greedy(oracles["qv"], PROMPT, MAX_TOKENS)
+    (qv,) = [a for a in client.list_lora_adapters() if a.lora_name == "qv"]
+    assert {span.lora_version for span in output.outputs[0].weight_versions} == {qv.version}
+    (output,) = client.generate([PROMPT], greedy())
+    assert {span.lora_version for span in output.outputs[0].weight_versions} == {0}
     with pytest.raises(LoRAError, match="no LoRA adapter"):
         client.generate([PROMPT], greedy(), lora_name="nope")
     model = oracles["mlp"]
@@ -120,31 +128,37 @@ def test_grpc_lora_name_and_push_from_memory(client, oracles):
 
 
 def test_in_place_swap_under_a_running_stream(client, oracles):
-    """A stream running under version 1 finishes under it while version 2 is loaded in place;
-    a bad version 3 is refused whole and version 2 serves on."""
+    """A stream running under version 1 finishes under it while version 2 is loaded in place
+    (each completion's weight_versions name its load); a bad version 3 is refused whole and
+    version 2 serves on."""
     old, new = oracles["all"], oracles["mlp"]
-    client.load_lora_adapter("policy", get_peft_model_state_dict(old), old.peft_config["default"])
+    v1 = client.load_lora_adapter("policy", get_peft_model_state_dict(old),
+                                  old.peft_config["default"])
     long_run = 200
     stream = client.generate_stream(PROMPT, greedy(long_run), lora_name="policy")
     first = next(stream)  # running under version 1
-    swapped = threading.Event()
+    swapped = []
 
     def swap() -> None:
-        client.load_lora_adapter("policy", get_peft_model_state_dict(new),
-                                 new.peft_config["default"], load_inplace=True)
-        swapped.set()
+        swapped.append(client.load_lora_adapter("policy", get_peft_model_state_dict(new),
+                                                new.peft_config["default"], load_inplace=True))
 
     swapper = threading.Thread(target=swap)
     swapper.start()
     *_, last = [first, *stream]
     swapper.join(30)
-    assert swapped.is_set()
+    (v2,) = swapped
+    assert (v2.lora_int_id, v2.lora_path) == (v1.lora_int_id, "") and v2.version > v1.version > 0
     assert last.outputs[0].token_ids == peft_greedy(old, PROMPT, long_run)
+    assert {span.lora_version for span in last.outputs[0].weight_versions} == {v1.version}
     (output,) = client.generate([PROMPT], greedy(), lora_name="policy")
     assert output.outputs[0].token_ids == peft_greedy(new, PROMPT, MAX_TOKENS)
+    assert {span.lora_version for span in output.outputs[0].weight_versions} == {v2.version}
     broken = {name: torch.zeros(3, 3) for name in get_peft_model_state_dict(new)}
     with pytest.raises(LoRAError, match="do not fit"):
         client.load_lora_adapter("policy", broken, new.peft_config["default"], load_inplace=True)
     (output,) = client.generate([PROMPT], greedy(), lora_name="policy")
     assert output.outputs[0].token_ids == peft_greedy(new, PROMPT, MAX_TOKENS)
+    assert [a.version for a in client.list_lora_adapters() if a.lora_name == "policy"] == [
+        v2.version]
     assert client.unload_lora_adapter("policy")

@@ -196,3 +196,21 @@ def test_async_grpo_trains_with_kept_requests(async_server, llama_dir, tmp_path,
             if sync.num_kept_requests > 0
             for e in answered if e.sent_s < paused_s and e.answered_s > resumed_s]
     assert kept, [sync.num_kept_requests for sync in transfer.syncs]
+
+
+def test_a_lora_policy_needs_an_engine_serving_lora(async_server, llama_dir, tmp_path,
+                                                    cpu_trainer_kernels):
+    """TRL's own fallback (merged weights over NCCL) is not this engine's: a clear refusal,
+    with the fix, before anything starts."""
+    from peft import LoraConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none",
+                           vllm_server_base_url=async_server.http_url, bf16=False)
+    with pytest.raises(ValueError, match="--enable-lora, or pass lora_sync='merged'"):
+        EngineAsyncGRPOTrainer(
+            model=str(llama_dir), reward_funcs=completion_length_reward, args=args,
+            train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]]}),
+            processing_class=tokenizer, peft_config=LoraConfig(r=4, target_modules="all-linear"),
+            engine=async_server.address)

@@ -34,7 +34,8 @@ WEIGHT_TRANSFER_PATHS = (
 async def server_info(request: Request,
                       config_format: Literal["text", "json"] = "text") -> Response:
     """vLLM's shape: `vllm_config` with `model_config.dtype` and `max_model_len`, the parallel
-    layout, and `weight_transfer_config` null (no NCCL weight-transfer engine here)."""
+    layout, `lora_config` (null unless `--enable-lora`: TRL's probe for adapter-only sync) and
+    `weight_transfer_config` null (no NCCL weight-transfer engine here)."""
     config = vllm_config(serving(request))
     return json_response({"vllm_config": config if config_format == "json" else str(config)})
 
@@ -43,6 +44,7 @@ def vllm_config(ctx: ServingContext) -> dict:
     model = ctx.engine.model
     config = model.config
     tp_size = config.parallel_config.tensor_parallel_size
+    lora = config.lora_config
     return {
         "model_config": {
             "model": model.model, "served_model_name": ctx.model_name,
@@ -59,6 +61,8 @@ def vllm_config(ctx: ServingContext) -> dict:
                              config.scheduler_config.max_num_batched_tokens,
                              "max_num_seqs": config.scheduler_config.max_num_seqs,
                              "async_scheduling": config.scheduler_config.async_scheduling},
+        "lora_config": {"max_lora_rank": lora.max_lora_rank, "max_loras": lora.max_loras,
+                        "max_cpu_loras": lora.num_cpu_loras} if lora.enable_lora else None,
         "weight_transfer_config": None,
         "engine_config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
     }
