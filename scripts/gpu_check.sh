@@ -44,6 +44,7 @@ TEST_GROUPS=(
   "async scheduling|tests/gpu/test_async_scheduling_cuda.py"
   "structured outputs|tests/gpu/test_structured_outputs_cuda.py"
   "kv transfer|tests/gpu/test_kv_transfer_cuda.py"
+  "lora|tests/gpu/test_lora_cuda.py"
 )
 
 SUMMARY=()

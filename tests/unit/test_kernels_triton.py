@@ -36,6 +36,7 @@ pytestmark = pytest.mark.skipif(
 
 TRITON_MODULES = (
     "kernels.triton_utils", "kernels.triton_kv_store", "kernels.triton_paged_attention",
+    "kernels.triton_lora",
 )
 
 
@@ -55,7 +56,8 @@ def triton_kernels():
             mp.delattr(kernels, name.rpartition(".")[2], raising=False)
         attention = importlib.import_module("kernels.triton_paged_attention")
         store = importlib.import_module("kernels.triton_kv_store")
-        yield SimpleNamespace(attention=attention, store=store)
+        lora = importlib.import_module("kernels.triton_lora")
+        yield SimpleNamespace(attention=attention, store=store, lora=lora)
         for name in TRITON_MODULES:
             sys.modules.pop(name, None)
             if hasattr(kernels, name.rpartition(".")[2]):
@@ -79,7 +81,7 @@ def test_kernels_call_only_triton_builtins(triton_kernels):
     from triton.runtime.jit import KernelInterface
 
     used: set[str] = set()
-    for module in (triton_kernels.attention, triton_kernels.store):
+    for module in (triton_kernels.attention, triton_kernels.store, triton_kernels.lora):
         tree = ast.parse(inspect.getsource(module))
         used |= {node.attr for node in ast.walk(tree)
                  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
@@ -260,7 +262,7 @@ def compile_for_hopper() -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import triton_kv_store, triton_paged_attention
+    from kernels import triton_kv_store, triton_lora, triton_paged_attention
     from kernels.triton_utils import next_power_of_2
 
     target = GPUTarget("cuda", 90, 32)
@@ -304,6 +306,14 @@ def compile_for_hopper() -> list[str]:
           | {"slot_mapping_ptr": "*i64"},
           {"NUM_KV_HEADS": 8, "HEAD_DIM": 192, "BLOCK_SIZE": 16, "HEADS_PAD": 8,
            "HEAD_DIM_PAD": 256, "HEAD_DIM_V": 128, "HEAD_DIM_V_PAD": 128})
+    # LoRA at rank 64 over a bf16 model (the launch's tile sizes); indexes int32.
+    indexes = {"row_slots_ptr": "*i32", "slot_rows_ptr": "*i32", "blocks_ptr": "*i32",
+               "ranks_ptr": "*i32", "shrunk_ptr": "*fp32"}
+    shrink, expand = triton_lora._lora_shrink_kernel, triton_lora._lora_expand_kernel
+    build(shrink, {"x_ptr": "*bf16", "a_ptr": "*bf16"} | indexes,
+          {"BLOCK_R": 128, "BLOCK_K": triton_lora._BLOCK_K})
+    build(expand, {"bt_ptr": "*bf16", "out_ptr": "*bf16"} | indexes,
+          {"BLOCK_RANK": 64, "BLOCK_N": 128})
     return compiled
 
 
@@ -320,4 +330,5 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == (["_paged_attention_kernel"] * 5
-                                     + ["_merge_splits_kernel"] * 2 + ["_store_kv_kernel"])
+                                     + ["_merge_splits_kernel"] * 2 + ["_store_kv_kernel",
+                                     "_lora_shrink_kernel", "_lora_expand_kernel"])

@@ -49,10 +49,11 @@ def test_kernel_matches_the_torch_delta(dtype, in_features, out_features):
     offsets = torch.tensor([0, 5, 8, 15])
     slots = torch.tensor([slot for slot, _ in groups])
     cpu_extension.lora_add(x, a, bt, outs, rows, offsets, slots, blocks, ranks)
-    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    # float32 sums of ~100 products of unit normals, in another order than torch's (which
+    # order depends on the CPU's vector width)
+    atol, rtol = (1e-4, 1e-5) if dtype == torch.float32 else (3e-2, 3e-2)
     for got, want in zip(outs, expected):
-        torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=tolerance,
-                                   rtol=tolerance)
+        torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=atol, rtol=rtol)
     assert torch.equal(packed[untouched], before[untouched])
 
 

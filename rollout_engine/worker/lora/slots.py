@@ -7,11 +7,12 @@ point holds `max_loras` slots of stacked weights: the A matrices of its linears 
 and each linear's B transposed ([slots, max_rank, out]), with the adapter's scaling folded in.
 
 A step's tokens come grouped by the adapter their request runs under (`LoRAGroup`: a slot
-and its rows). On the CPU one compiled call per point adds every group's deltas
-(`kernels/csrc/lora_cpu.cpp`, Punica's BGMV); elsewhere, per group and point, one shrink GEMM
-and one expand GEMM per linear the adapter targets, added into the base output in place (the
-grouped GEMMs of SGMV, written with torch's). Tokens of the base model are in no group: their
-rows cost nothing.
+and its rows). Per point, the backend (`lora_backend`) adds every group's deltas: on the CPU
+one compiled call (`kernels/csrc/lora_cpu.cpp`, Punica's BGMV); on CUDA two Triton launches
+and one per linear (`kernels/triton_lora.py`, BGMV too: every token reads its slot by index);
+elsewhere, per group, one shrink GEMM and one expand GEMM per linear the adapter targets,
+added into the base output in place (the grouped GEMMs of SGMV, written with torch's). Tokens
+of the base model are in no group: their rows cost nothing.
 
 `LoRASlots` owns the points, the adapters registered on the worker (host copies) and which
 adapter sits in which slot: a step's adapters are put into slots before its forward (the
@@ -23,12 +24,20 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from kernels import cpu_extension
 from rollout_engine.protocol import LoRAError
 from rollout_engine.worker.lora.adapter import LoRAWeights
+
+
+def lora_backend(device: torch.device) -> Literal["cpu", "triton", "torch"]:
+    """Who adds the deltas on `device`: the compiled CPU kernel, Triton, or torch's GEMMs."""
+    if device.type == "cpu":
+        return "cpu" if cpu_extension.available() else "torch"
+    return "triton" if device.type == "cuda" else "torch"
 
 
 @dataclass
@@ -59,6 +68,9 @@ class LoRAStep:
         self.rows = self.group_offsets = self.group_slots = None
         """The groups as the CPU kernel takes them (int64, on the CPU): every group's rows in
         turn, where each group's start, and its slot."""
+        self.row_slots: torch.Tensor | None = None
+        """The groups as the Triton kernel takes them: each row's slot (int32 on the device;
+        -1: the base model)."""
 
 
 class LoRAPoint:
@@ -81,6 +93,8 @@ class LoRAPoint:
         """Per slot and linear: the block of A's rows it uses (-1: the adapter targets none)."""
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)
         """Per slot: the rank each block is padded to."""
+        self._device_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        """`linear_blocks` and `ranks` as int32 on the device (Triton), until they change."""
 
     def load(self, slot: int, weights: LoRAWeights) -> None:
         """Put this point's part of an adapter into `slot` (zeros where it targets nothing)."""
@@ -96,9 +110,11 @@ class LoRAPoint:
             self.bt[i][slot, : delta.rank] = scaled.T
             self.linear_blocks[slot, i] = j
         self.ranks[slot] = rank
+        self._device_tables = None
 
     def clear(self, slot: int) -> None:
         self.linear_blocks[slot], self.ranks[slot] = -1, 0
+        self._device_tables = None
 
     def add(self, x: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
         """Add the step's deltas into the linears' outputs. x: [T, in]; outs: one [T, out_i]
@@ -111,10 +127,20 @@ class LoRAPoint:
             )
         if not self.step.groups:
             return
-        if self._runs_compiled(x, outs):
-            step = self.step
+        step = self.step
+        unit_strides = x.stride(-1) == 1 and all(o.stride(-1) == 1 for o in outs)
+        if step.rows is not None and self._runs_compiled(x, outs):
             cpu_extension.lora_add(x, self.a, self.bt, list(outs), step.rows, step.group_offsets,
                                    step.group_slots, self.linear_blocks, self.ranks)
+            return
+        if step.row_slots is not None and unit_strides:
+            from kernels.triton_lora import lora_add_triton
+
+            if self._device_tables is None:
+                self._device_tables = (self.linear_blocks.to(x.device, torch.int32),
+                                       self.ranks.to(x.device, torch.int32))
+            lora_add_triton(x, self.a, self.bt, list(outs), step.row_slots,
+                            *self._device_tables)
             return
         for group in self.step.groups:
             rank = int(self.ranks[group.slot])
@@ -130,10 +156,8 @@ class LoRAPoint:
                 group.add_into(outs[i], delta)
 
     def _runs_compiled(self, x: torch.Tensor, outs: Sequence[torch.Tensor]) -> bool:
-        return (x.device.type == "cpu" and self.step.rows is not None
-                and cpu_extension.available() and x.dtype == self.a.dtype
-                and x.stride(-1) == 1 and all(o.dtype == x.dtype and o.stride(-1) == 1
-                                              for o in outs))
+        return (x.device.type == "cpu" and x.dtype == self.a.dtype and x.stride(-1) == 1
+                and all(o.dtype == x.dtype and o.stride(-1) == 1 for o in outs))
 
     @property
     def num_bytes(self) -> int:
@@ -192,8 +216,11 @@ class LoRASlots:
             slot = self._slot(adapter_id, keep=rows_of.keys())
             groups.append(LoRAGroup(slot, self._rows(spans)))
         self.step.groups, self.step.num_rows = groups, num_rows
-        if self.device.type == "cpu":
+        backend = lora_backend(self.device)
+        if backend == "cpu":
             self._kernel_groups(rows_of)
+        elif backend == "triton" and groups:
+            self._row_slots(rows_of, num_rows)
 
     def _kernel_groups(self, rows_of: dict[int, list[tuple[int, int]]]) -> None:
         rows, offsets = [], [0]
@@ -206,10 +233,17 @@ class LoRASlots:
         step.group_offsets = torch.tensor(offsets, dtype=torch.int64)
         step.group_slots = torch.tensor([g.slot for g in step.groups], dtype=torch.int64)
 
+    def _row_slots(self, rows_of: dict[int, list[tuple[int, int]]], num_rows: int) -> None:
+        row_slots = torch.full((num_rows,), -1, dtype=torch.int32)
+        for group, spans in zip(self.step.groups, rows_of.values()):
+            for start, end in spans:
+                row_slots[start:end] = group.slot
+        self.step.row_slots = row_slots.to(self.device, non_blocking=True)
+
     def end_step(self) -> None:
         step = self.step
         step.groups, step.num_rows = [], 0
-        step.rows = step.group_offsets = step.group_slots = None
+        step.rows = step.group_offsets = step.group_slots = step.row_slots = None
 
     def _slot(self, adapter_id: int, keep) -> int:
         """The adapter's slot, loading it into a free or the least recently run one."""
