@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_paged_attention import _add  # builtins only (see that module)
 from kernels.triton_utils import check_device, next_power_of_2
 
 _BLOCK_K = 64
@@ -42,14 +43,14 @@ def _lora_shrink_kernel(
         return
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < tl.load(slot_rows_ptr + slot)
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.full([BLOCK_R], 0.0, tl.float32)
     for k0 in range(0, in_features, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < in_features
         x = tl.load(x_ptr + token * stride_xt + ks, mask=k_mask, other=0.0).to(tl.float32)
         a = tl.load(a_ptr + slot * stride_as + rows[:, None] * stride_ar + ks[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(a * x[None, :], axis=1)
+        acc += tl.reduce(a * x[None, :], 1, _add)
     tl.store(shrunk_ptr + token * stride_st + rows, acc, mask=row_mask)
 
 
@@ -82,7 +83,7 @@ def _lora_expand_kernel(
     n_mask = ns < out_features
     b = tl.load(bt_ptr + slot * stride_bs + rs[:, None] * stride_br + ns[None, :],
                 mask=r_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
-    delta = tl.sum(b * s[:, None], axis=0)
+    delta = tl.reduce(b * s[:, None], 0, _add)
     out_ptrs = out_ptr + token * stride_ot + ns
     out = tl.load(out_ptrs, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptrs, (out + delta).to(out_ptr.dtype.element_ty), mask=n_mask)

@@ -17,6 +17,9 @@ from trainer_bridge import (
 )
 
 LONG = SamplingParams(n=2, temperature=1.0, max_tokens=200, ignore_eos=True, seed=0)
+# Work a 0.3 s deadline cuts short on a fast machine too (the tiny model steps in well under a
+# millisecond: 4 x 2 x 200 tokens once finished within it).
+DEADLINE_WORK = SamplingParams(n=16, temperature=1.0, max_tokens=220, ignore_eos=True, seed=0)
 PROMPTS = [[7 + i, 8, 9, 10, 11 + i, 12] * 4 for i in range(4)]
 
 
@@ -39,10 +42,10 @@ def test_cancel_mid_stream_frees_blocks(client):
 def test_deadline_frees_blocks(client):
     num_blocks = client.info().num_blocks
     with pytest.raises(DeadlineExceededError):
-        client.generate(PROMPTS, LONG, timeout=0.3)
+        client.generate(PROMPTS, DEADLINE_WORK, timeout=0.3)
     assert wait_for(lambda: blocks_back_to_initial(client, num_blocks))
     with pytest.raises(DeadlineExceededError):
-        list(client.generate_stream(PROMPTS[1], LONG, timeout=0.3))
+        list(client.generate_stream(PROMPTS[1], DEADLINE_WORK, timeout=0.3))
     assert wait_for(lambda: blocks_back_to_initial(client, num_blocks))
 
 
