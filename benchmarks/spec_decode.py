@@ -13,6 +13,8 @@ must be token-identical.
     # sweeps to choose k and disable_by_batch_size (each is followed by the main table):
     python -m benchmarks.spec_decode --num-prompts 16 --batch-sizes 1 --sweep-k 2 3 4 5 6 8
     python -m benchmarks.spec_decode --num-prompts 16 --sweep-disable 8 16 32 64 128 256
+    # GRPO epochs: no drafting, n-gram and suffix drafting (spec_decode_grpo.py)
+    python -m benchmarks.spec_decode --grpo --grpo-prompts 16 --grpo-samples 8 --grpo-epochs 3
 
 The first run trains the model (1,500 steps, a few minutes on a CPU) and caches it.
 """
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.copy_model import build_copy_model, make_prompt, make_span
+from benchmarks.spec_decode_grpo import grpo_table, no_repeats_table
 from rollout_engine import LLM, SamplingParams
 
 GOAL_BATCH_1 = 2.0
@@ -66,6 +69,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sweep-disable", type=int, nargs="*", default=[],
                         help="batch sizes at which to time drafting forced on vs off")
     parser.add_argument("--quick", action="store_true", help="batch sizes 1, 4, 64, one repeat")
+    parser.add_argument("--grpo", action="store_true",
+                        help="the GRPO multi-epoch workload instead (spec_decode_grpo.py)")
+    parser.add_argument("--grpo-prompts", type=int, default=16)
+    parser.add_argument("--grpo-samples", type=int, default=8)
+    parser.add_argument("--grpo-epochs", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (0: torch's default); the model is tiny and one thread "
@@ -211,6 +219,12 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.grpo:
+        start = time.perf_counter()
+        grpo_table(args)
+        no_repeats_table(args)
+        print(f"\ntotal {time.perf_counter() - start:.0f} s")
+        return
     model_dir = args.model or str(build_copy_model(args.cache_dir, args.train_steps, args.seed))
     print(f"model: {model_dir}, device {args.device}, {torch.get_num_threads()} threads")
     start = time.perf_counter()

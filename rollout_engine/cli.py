@@ -28,6 +28,19 @@ def _structured_outputs_config(text: str) -> dict:
     return config
 
 
+def _speculative_config(text: str) -> dict:
+    """vLLM's --speculative-config: a JSON object of `SpeculativeConfig` fields (checked when
+    the engine config is built)."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError('takes a JSON object, e.g. {"method": "suffix", '
+                                         '"num_speculative_tokens": 4}')
+    return config
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: `sys.argv[1:]`), run the subcommand, return its exit status."""
     parser = build_parser()
@@ -307,6 +320,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="prompt + output cap (default: the model's)")
     engine.add_argument("--num-speculative-tokens", type=int,
                         help="n-gram draft tokens per step; 0 turns drafting off")
+    engine.add_argument("--speculative-config", type=_speculative_config,
+                        help='JSON, vLLM\'s: {"method": "ngram" | "suffix", '
+                        '"num_speculative_tokens": k, ...} (suffix: drafts from earlier '
+                        "completions of the same prompt too)")
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None,
                         help="schedule and prepare the next step while the current one "
@@ -356,7 +373,7 @@ _SERVE_ENGINE_OPTIONS = (
     "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_speculative_tokens",
     "async_scheduling", "kv_role", "kv_peer", "kv_transport", "kv_transfer_timeout_s",
     "kv_handle_ttl_s", "tensor_parallel_size", "distributed_timeout_s", "enable_lora",
-    "max_loras", "max_lora_rank", "max_cpu_loras",
+    "max_loras", "max_lora_rank", "max_cpu_loras", "speculative_config",
 )
 
 

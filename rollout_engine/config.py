@@ -144,20 +144,38 @@ class CacheConfig:
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
+SpecMethod = Literal["ngram", "suffix"]
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """N-gram (prompt lookup) speculative decoding."""
+    """Speculative decoding with drafts from text already seen (vLLM's `speculative_config`
+    names): "ngram" (prompt lookup in the request's own tokens) or "suffix" (SuffixDecoding:
+    also earlier completions of the same prompt; `core/suffix_proposer.py`)."""
 
     num_speculative_tokens: int = 0
     """Draft tokens proposed per step; 0 turns speculative decoding off."""
+    method: SpecMethod = "ngram"
     prompt_lookup_min: int = 2
     """Shortest suffix n-gram to match."""
     prompt_lookup_max: int = 5
     """Longest suffix n-gram to match."""
     disable_by_batch_size: int = 32
-    """Stop drafting when more than this many requests are running."""
+    """Above this many running requests, n-gram drafting stops; suffix drafting goes on for the
+    requests whose prompts' drafts are mostly accepted, and for as many others as this leaves
+    room for, those expected to run longest first (a budget for the long tail)."""
+    suffix_decoding_max_tree_depth: int = 64
+    """Longest suffix matched (tokens)."""
+    suffix_decoding_max_spec_factor: float = 1.0
+    """A draft is at most this many times as long as its match."""
+    suffix_decoding_min_token_prob: float = 0.1
+    """A draft stops where its path's estimated probability falls below this."""
+    suffix_decoding_max_cached_tokens: int = 1 << 22
+    """Tokens of earlier completions kept, engine-wide (the oldest completion goes first)."""
 
     def __post_init__(self) -> None:
+        _require(self.method in ("ngram", "suffix"),
+                 f"speculative method must be 'ngram' or 'suffix', got {self.method!r}")
         _require(self.num_speculative_tokens >= 0, "num_speculative_tokens must be >= 0")
         _require(self.prompt_lookup_min >= 1, "prompt_lookup_min must be >= 1")
         _require(
@@ -165,6 +183,14 @@ class SpeculativeConfig:
             "prompt_lookup_max must be >= prompt_lookup_min",
         )
         _require(self.disable_by_batch_size >= 1, "disable_by_batch_size must be >= 1")
+        _require(self.suffix_decoding_max_tree_depth >= 1,
+                 "suffix_decoding_max_tree_depth must be >= 1")
+        _require(self.suffix_decoding_max_spec_factor > 0,
+                 "suffix_decoding_max_spec_factor must be > 0")
+        _require(0.0 <= self.suffix_decoding_min_token_prob <= 1.0,
+                 "suffix_decoding_min_token_prob must be in [0, 1]")
+        _require(self.suffix_decoding_max_cached_tokens >= 0,
+                 "suffix_decoding_max_cached_tokens must be >= 0")
 
     @property
     def enabled(self) -> bool:
@@ -418,6 +444,17 @@ class EngineConfig:
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
         """Build from flat field names, as in `LLM(model, max_num_batched_tokens=...)`."""
         groups: dict[str, dict[str, Any]] = {name: {} for name in _GROUPS}
+        speculative = kwargs.pop("speculative_config", None)
+        if speculative is not None:  # vLLM's dict; the flat `num_speculative_tokens=` too
+            if isinstance(speculative, SpeculativeConfig):
+                speculative = dataclasses.asdict(speculative)
+            if not isinstance(speculative, dict):
+                raise TypeError("speculative_config must be a dict or a SpeculativeConfig, got "
+                                f"{type(speculative).__name__}")
+            unknown = set(speculative) - {f.name for f in dataclasses.fields(SpeculativeConfig)}
+            if unknown:
+                raise TypeError(f"unknown speculative_config option(s) {sorted(unknown)}")
+            groups["speculative_config"].update(speculative)
         for key, value in kwargs.items():
             owner = _FIELD_OWNER.get(key)
             if owner is None:

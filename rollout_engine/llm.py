@@ -195,6 +195,9 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
 
+    def reset_draft_history(self) -> None:
+        self.engine.reset_draft_history()
+
     def update_weights(self, named_tensors: NamedTensors) -> int:
         return self.engine.update_weights(named_tensors)
 

@@ -30,6 +30,9 @@ def engine_stats(engine: LLMEngine) -> dict[str, float]:
     }
     if engine.drafter is not None:
         stats.update({f"spec_{k}": v for k, v in engine.drafter.stats.as_dict().items()})
+        if engine.drafter.suffix is not None:
+            stats["spec_suffix_cached_tokens"] = engine.drafter.suffix.num_cached_tokens
+            stats["spec_suffix_prompts"] = engine.drafter.suffix.num_prompts
     if engine.kv_connector is not None:
         stats.update(engine.kv_connector.stats())
     return stats

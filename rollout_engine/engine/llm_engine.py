@@ -316,6 +316,12 @@ class LLMEngine:
         """Forget every cached prefix; later requests recompute their prompts."""
         self.scheduler.reset_prefix_cache()
 
+    def reset_draft_history(self) -> None:
+        """Forget the earlier completions suffix drafting drafts from (their tokens stay valid
+        across weight updates: this is for a new dataset, not for a new policy)."""
+        if self.drafter is not None:
+            self.drafter.reset_history()
+
     def memory_state(self) -> MemoryState:
         return self.worker.memory_state()
 

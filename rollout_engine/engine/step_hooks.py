@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from rollout_engine.engine.step_failures import stall_error
 
 if TYPE_CHECKING:
+    from rollout_engine.core.request import Request
     from rollout_engine.core.scheduler import Scheduler
     from rollout_engine.core.scheduler_output import SchedulerOutput
     from rollout_engine.core.spec_decode import SpecDecoder
@@ -81,13 +82,13 @@ class StepHooks:
         except BaseException as exc:  # noqa: BLE001 - the step fails with it
             prepared.token_bitmask.set_exception(exc)
 
-    def after_update(self, landed: LandedStep) -> None:
-        """After a step's tokens are committed: save the KV of finished prefills for a remote
-        decode, and draft the next step's tokens (n-gram speculation)."""
+    def after_update(self, landed: LandedStep, updated: list[Request]) -> None:
+        """After a step's tokens are committed (to `updated`): save the KV of finished
+        prefills for a remote decode, and draft the next step's tokens (speculation)."""
         if self.kv_connector is not None:
             self.kv_connector.save_finished_prefills()
         if self.drafter is not None:
-            self.drafter.record(landed.scheduler_output, landed.runner_output)
+            self.drafter.record(landed.scheduler_output, landed.runner_output, updated)
             drafts = self.drafter.propose(
                 self.scheduler.requests_to_draft(), self.scheduler.num_running_requests
             )

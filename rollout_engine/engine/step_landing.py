@@ -31,7 +31,7 @@ class StepLander:
         scheduler: Scheduler,
         output_processor: OutputProcessor,
         end_prompts: Callable[[list[str]], None],
-        after_update: Callable[[LandedStep], None],
+        after_update: Callable[[LandedStep, list[Request]], None],
         weight_version: Callable[[], int],
         vocab_size: int,
     ) -> None:
@@ -63,7 +63,7 @@ class StepLander:
                 raise error
             raise error from landed.error
         updated = self.scheduler.update_from_output(landed.scheduler_output, landed.runner_output)
-        self._after_update(landed)
+        self._after_update(landed, updated)
         dead_ended = [r for r in updated if r.is_dead_ended]
         if dead_ended:
             raise self._end_dead_ended(dead_ended, updated)

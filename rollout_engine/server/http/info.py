@@ -92,6 +92,14 @@ def prometheus_text(ctx: ServingContext, info: EngineInfo, is_paused: bool) -> s
         ("is_paused", "gauge", "1 while generation is paused.", int(is_paused)),
         ("weight_version", "gauge", "Weight updates landed since start.", info.weight_version),
     ]
+    if "spec_num_drafts" in stats:  # speculative decoding on
+        families += [
+            ("spec_accept_rate", "gauge", "Draft tokens accepted / verified since start.",
+             stats["spec_acceptance_rate"]),
+            ("spec_mean_accepted_length", "gauge",
+             "Tokens gained per drafting step since start (accepted drafts + 1).",
+             stats["spec_mean_accepted_length"]),
+        ]
     label = f'{{model_name="{_escape(ctx.model_name)}"}}'
     lines = []
     for name, kind, help_text, value in families:
