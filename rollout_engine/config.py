@@ -448,12 +448,9 @@ class EngineConfig:
         if speculative is not None:  # vLLM's dict; the flat `num_speculative_tokens=` too
             if isinstance(speculative, SpeculativeConfig):
                 speculative = dataclasses.asdict(speculative)
-            if not isinstance(speculative, dict):
+            if not isinstance(speculative, dict):  # unknown keys: TypeError when it is built
                 raise TypeError("speculative_config must be a dict or a SpeculativeConfig, got "
                                 f"{type(speculative).__name__}")
-            unknown = set(speculative) - {f.name for f in dataclasses.fields(SpeculativeConfig)}
-            if unknown:
-                raise TypeError(f"unknown speculative_config option(s) {sorted(unknown)}")
             groups["speculative_config"].update(speculative)
         for key, value in kwargs.items():
             owner = _FIELD_OWNER.get(key)

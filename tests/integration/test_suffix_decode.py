@@ -66,7 +66,7 @@ def test_history_survives_until_reset_and_options_are_checked(llama_dir):
     assert llm.stats()["spec_suffix_cached_tokens"] > 0
     llm.reset_draft_history()
     assert llm.stats()["spec_suffix_cached_tokens"] == 0
-    with pytest.raises(TypeError, match="unknown speculative_config"):
+    with pytest.raises(TypeError, match="draft_model"):
         LLM(str(llama_dir), speculative_config={"method": "suffix", "draft_model": "x"})
     with pytest.raises(ValueError, match="method"):
         LLM(str(llama_dir), speculative_config={"method": "eagle", "num_speculative_tokens": 2})
