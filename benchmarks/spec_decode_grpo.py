@@ -113,12 +113,12 @@ def grpo_table(args: argparse.Namespace) -> None:
         print(f"| {e + 1} | {none.num_tokens} | {none.elapsed_s:.2f}, {none.tokens_per_s:.0f} | "
               f"{ngram.elapsed_s:.2f}, {ngram.tokens_per_s:.0f}, {acceptance(ngram.spec)} | "
               f"{suffix.elapsed_s:.2f}, {suffix.tokens_per_s:.0f}, {acceptance(suffix.spec)} | "
-              f"{vs_ngram:.2f}x | -{cut:.0%} |", flush=True)
+              f"{vs_ngram:.2f}x | {-cut:+.0%} |", flush=True)
     later = range(1, num_epochs)
     vs_ngram = min(runs["suffix"][e].tokens_per_s / runs["ngram"][e].tokens_per_s for e in later)
     cut = min(1 - runs["suffix"][e].elapsed_s / runs["none"][e].elapsed_s for e in later)
     print(f"\nfrom epoch 2: suffix >= {vs_ngram:.2f}x n-gram (goal {GOAL_VS_NGRAM}x: "
-          f"{'met' if vs_ngram >= GOAL_VS_NGRAM else 'MISSED'}), makespan -{cut:.0%} against no "
+          f"{'met' if vs_ngram >= GOAL_VS_NGRAM else 'MISSED'}), makespan {-cut:+.0%} against no "
           f"drafting (goal -{GOAL_MAKESPAN_CUT:.0%}: "
           f"{'met' if cut >= GOAL_MAKESPAN_CUT else 'MISSED'})")
 
