@@ -45,7 +45,8 @@ class SpecDecodeStats:
     num_disabled_steps: int = 0
     """Steps in which drafting was off because the batch was too large."""
     num_budgeted_steps: int = 0
-    """Suffix drafting: steps in which only the requests expected to run longest drafted."""
+    """Suffix drafting: steps with more candidates than `disable_by_batch_size`, where the
+    sure ones and those expected to run longest drafted (see `_within_budget`)."""
 
     @property
     def acceptance_rate(self) -> float:

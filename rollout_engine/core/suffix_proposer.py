@@ -16,8 +16,11 @@ tree by counts: at each depth the most frequent next token among the occurrences
 while the path's probability (the product of each choice's share) stays at or above
 `min_token_prob`; a draft is at most `max_spec_factor` times the match long. Of the two
 sources' drafts the one with more expected accepted tokens (the sum of its path
-probabilities) is proposed. The search is vectorised (numpy) like the n-gram proposer's: a
-depth costs one comparison over the surviving occurrences.
+probabilities) is proposed; a match of one token drafts nothing. The search is vectorised
+(numpy): a history keeps its tokens' occurrences sorted, so those of the request's last token are
+found by bisection; a match is then extended 8 tokens back per step over the surviving
+occurrences, and where the occurrences agree on what follows (the common case) the draft is
+read off at once.
 
 `expected_remaining(request)`: the mean completion length of the prompt's history minus what
 the request has generated, for a drafting budget that favours the longest rollouts;
@@ -124,8 +127,8 @@ class SuffixProposer:
         self.num_cached_tokens = 0
         self._num_completions = self._num_completion_tokens = 0
         """Over every history: the mean completion length of a prompt not seen yet."""
-        self._keys: OrderedDict[str, int] = OrderedDict()
-        """Prompt key by request id (computed once per request)."""
+        self._keys: dict[str, int] = {}
+        """Prompt key by request id (computed once per request, dropped when it ends)."""
         self._acceptance: OrderedDict[int, list[int]] = OrderedDict()
         """Per prompt key: [draft tokens verified, accepted], every request of it together."""
 
