@@ -22,21 +22,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 from datasets import Dataset
-from transformers import AutoTokenizer
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from tests.e2e.http_helpers import CHAT_TEMPLATE
 from tests.e2e.server_process import start_server
-from tests.e2e.trl_async_helpers import TappedQueue
+from tests.e2e.trl_async_helpers import TappedQueue, worker_tokenizer
 from trainer_bridge import EngineClient
 from trainer_bridge.trl_async import EngineAsyncGRPOTrainer, EngineWeightTransfer
 
 NUM_STEPS = 3
 PROMPTS = ["the sun is hot", "a dog ran home", "we can read a book", "my friend has a car"]
-# The worker parses each reply as an assistant message; with no template of the tokenizer's
-# own to recognise, the whole reply is its content.
-RESPONSE_TEMPLATE = {"defaults": {"role": "assistant"},
-                     "fields": {"content": {"content": "text"}}}
 
 
 def completion_length_reward(completions: list, **kwargs) -> list[float]:
@@ -135,9 +129,7 @@ def async_server(tmp_path_factory, llama_dir):
 def test_async_grpo_trains_with_kept_requests(async_server, llama_dir, tmp_path,
                                               cpu_trainer_kernels):
     proxy = RecordingProxy(async_server.http_url)
-    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.response_template = RESPONSE_TEMPLATE
+    tokenizer = worker_tokenizer(llama_dir)
     args = AsyncGRPOConfig(
         output_dir=str(tmp_path), max_steps=NUM_STEPS, per_device_train_batch_size=4,
         num_generations=2, max_completion_length=16, token_budget=0, max_inflight_tasks=8,
@@ -204,8 +196,7 @@ def test_a_lora_policy_needs_an_engine_serving_lora(async_server, llama_dir, tmp
     with the fix, before anything starts."""
     from peft import LoraConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = worker_tokenizer(llama_dir)
     args = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none",
                            vllm_server_base_url=async_server.http_url, bf16=False)
     with pytest.raises(ValueError, match="--enable-lora, or pass lora_sync='merged'"):

@@ -12,15 +12,14 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from rollout_engine import SamplingParams
-from tests.e2e.http_helpers import CHAT_TEMPLATE
 from tests.e2e.server_process import start_server
-from tests.e2e.test_trl_async_grpo import PROMPTS, RESPONSE_TEMPLATE, completion_length_reward
+from tests.e2e.test_trl_async_grpo import PROMPTS, completion_length_reward
 from tests.e2e.test_trl_backend import GREEDY_PROMPTS, NUM_GREEDY_TOKENS, hf_greedy
-from tests.e2e.trl_async_helpers import TappedQueue
+from tests.e2e.trl_async_helpers import TappedQueue, worker_tokenizer
 from trainer_bridge import EngineClient
 from trainer_bridge.lora_sync import PolicyAdapter
 from trainer_bridge.trl_async import EngineAsyncGRPOTrainer
@@ -43,9 +42,7 @@ def lora_server(tmp_path_factory, llama_dir):
 @pytest.mark.parametrize("lora_sync", ["memory", pytest.param("path", marks=pytest.mark.slow)])
 def test_async_grpo_syncs_the_adapter_alone(lora_server, llama_dir, tmp_path, lora_sync,
                                             cpu_trainer_kernels):
-    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.response_template = RESPONSE_TEMPLATE
+    tokenizer = worker_tokenizer(llama_dir)
     args = AsyncGRPOConfig(
         output_dir=str(tmp_path), max_steps=NUM_STEPS, per_device_train_batch_size=4,
         num_generations=2, max_completion_length=16, token_budget=0, max_inflight_tasks=8,

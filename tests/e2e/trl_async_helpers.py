@@ -1,5 +1,5 @@
-"""What the AsyncGRPOTrainer tests share: a tap on the trainer's rollout queue and TRL's tree
-attention as SDPA (its own is an FA3 kernel)."""
+"""What the AsyncGRPOTrainer tests share: the worker's tokenizer, a tap on the trainer's rollout
+queue and TRL's tree attention as SDPA (its own is an FA3 kernel)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,22 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from transformers import AutoTokenizer
+
+from tests.e2e.http_helpers import CHAT_TEMPLATE
+
+# The worker parses each reply as an assistant message; with no template of the tokenizer's
+# own to recognise, the whole reply is its content.
+RESPONSE_TEMPLATE = {"defaults": {"role": "assistant"},
+                     "fields": {"content": {"content": "text"}}}
+
+
+def worker_tokenizer(model_dir):
+    """The tokenizer TRL's rollout worker renders chats with and parses replies by."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.response_template = RESPONSE_TEMPLATE
+    return tokenizer
 
 
 class TappedQueue:
