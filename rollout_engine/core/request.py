@@ -78,6 +78,9 @@ class Request:
         model): its prefix-cache entries are its adapter's, and a step runs at most
         `max_loras` adapters."""
         self.spec_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        """Draft tokens verified for it so far; `num_accepted_draft_tokens` of them accepted."""
+        self.num_accepted_draft_tokens = 0
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
         """Async scheduling: tokens being sampled by steps in flight, not yet committed. Their

@@ -241,6 +241,8 @@ class Scheduler:
             assert len(sampled) <= num_drafts + 1, f"{len(sampled)} tokens for {num_drafts} drafts"
             assert sampled or num_drafts == 0, f"{request} had {num_drafts} drafts, sampled nothing"
             num_rejected = num_drafts - max(len(sampled) - 1, 0)
+            request.num_draft_tokens += num_drafts
+            request.num_accepted_draft_tokens += num_drafts - num_rejected
             # Rejected drafts' positions are recomputed next step (their KV is stale).
             request.num_computed_tokens -= num_rejected
             # The step completed: the KV it wrote, up to its last accepted position, is

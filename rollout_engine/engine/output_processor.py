@@ -200,6 +200,8 @@ class OutputProcessor:
                           if params.logprobs is not None else None),
             stop_str=request.stop_str,
             stop_token_id=request.stop_token_id,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_draft_tokens=request.num_accepted_draft_tokens,
             # Copies: the request's last span grows after this output is handed out.
             weight_versions=[replace(span) for span in request.weight_versions],
         )

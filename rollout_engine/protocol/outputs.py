@@ -92,6 +92,11 @@ class CompletionOutput:
     """Which weight version sampled which output tokens, over the whole completion so far: one
     span unless the request was kept across a weight update (pause or sleep in "keep" mode).
     Each logprob is the one of the weights that sampled its token."""
+    num_draft_tokens: int = 0
+    """Speculative decoding: draft tokens verified for this completion so far (summed over a
+    prompt's samples: the prompt's)."""
+    num_accepted_draft_tokens: int = 0
+    """Of those, the ones accepted (each a token that cost no step of its own)."""
     message: ParsedMessage | None = field(default=None, metadata={"wire": False})
     """`LLM.chat` with a tool or reasoning parser: the assistant message parsed from `text`
     (content, reasoning, tool calls), beside the raw token ids and logprobs. Not sent over

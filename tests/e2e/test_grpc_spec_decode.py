@@ -36,6 +36,8 @@ def test_served_speculation_gives_the_same_tokens_and_reports_stats(tmp_path_fac
         assert process.stop() == 0
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
     assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
+    assert sum(o.outputs[0].num_accepted_draft_tokens for o in outputs) == (
+        stats["spec_num_accepted_tokens"])
     assert ("spec_suffix_cached_tokens" in stats) == (flags[0] == "--speculative-config")
     rate = next(line for line in metrics.splitlines()
                 if line.startswith("rollout_engine_spec_accept_rate{"))

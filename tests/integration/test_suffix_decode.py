@@ -39,6 +39,11 @@ def test_seeded_grpo_epochs_equal_those_without_drafting(llama_dir, options):
     # accepted drafts.
     num_tokens = sum(len(c) for prompt in expected[1] for c in prompt)
     assert stats["spec_num_accepted_tokens"] - accepted_in_first > num_tokens // 2, stats
+    # Each completion counts its own drafts: together, the engine's.
+    completions = [c for output in second for c in output.outputs]
+    assert sum(c.num_accepted_draft_tokens for c in completions) == (
+        stats["spec_num_accepted_tokens"] - accepted_in_first)
+    assert all(c.num_draft_tokens >= c.num_accepted_draft_tokens for c in completions)
     assert stats["spec_suffix_prompts"] == len(PROMPTS)
     if options:
         assert stats["num_preemptions"] > 0
