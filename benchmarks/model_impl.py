@@ -8,7 +8,8 @@
    `AttentionInterface`).
 2. A Qwen3-MoE checkpoint of the same width (8 experts, 2 per token) through the backend
    against Hugging Face `generate` (one left-padded batch, `num_return_sequences=n`: TRL's
-   default path).
+   default path), and with `enable_return_routed_experts` (R3: what recording the routing
+   costs).
 
 EOS is ignored, so every system generates the same number of tokens.
 
@@ -113,10 +114,14 @@ def main() -> None:
         prompts = make_prompts(args, SIZES[args.size]["vocab_size"])
         ours = time_engine(moe_dir, prompts, args)
         print(f"qwen3_moe: transformers backend: {ours[0]:.1f} s", flush=True)
+        routed = time_engine(moe_dir, prompts, args, enable_return_routed_experts=True)
+        print(f"qwen3_moe: returning routed experts: {routed[0]:.1f} s", flush=True)
         hf = time_hf_generate(moe_dir, prompts, args)
         print(f"qwen3_moe: HF generate: {hf[0]:.1f} s", flush=True)
         ours_tps = ours[1] / ours[0]
         rows.append(("qwen3_moe", "transformers backend", *ours, "1.00x"))
+        rows.append(("qwen3_moe", "returning routed experts (R3)", *routed,
+                     f"{ours_tps / (routed[1] / routed[0]):.2f}x"))
         rows.append(("qwen3_moe", "HF generate (padded)", *hf, f"{ours_tps / (hf[1] / hf[0]):.2f}x"))
     print(f"\nworkload: {args.num_prompts} prompts x n={args.n}, prompt lengths "
           f"{args.min_prompt_len}-{args.max_prompt_len}, {args.max_tokens} new tokens, "

@@ -61,17 +61,17 @@ class ModelConfig:
     """Replay plain decode steps from CUDA graphs, one per batch-size bucket (vLLM's
     default; its `enforce_eager` turns them off). Off by default until a GPU run has shown
     greedy parity with and without them. On the CPU the same padded path runs eagerly."""
+    enable_return_routed_experts: bool = False
+    """MoE models (vLLM's name): return the experts each token was routed to
+    (`CompletionOutput.routed_experts`, `RequestOutput.prompt_routed_experts`), kept beside
+    the KV so that prefix-cache hits and recomputed tokens report them too."""
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model must be a model directory path")
-        _require(
-            self.dtype in ("auto", "float32", "float16", "bfloat16"),
-            f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}",
-        )
-        _require(
-            self.model_impl in MODEL_IMPLS,
-            f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}",
-        )
+        _require(self.dtype in ("auto", "float32", "float16", "bfloat16"),
+                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        _require(self.model_impl in MODEL_IMPLS,
+                 f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         _require(
             not self.batch_invariant or (self.device == "cpu" and not self.cuda_graphs),
             "batch_invariant runs on the CPU (without CUDA graphs) so far",

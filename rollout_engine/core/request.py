@@ -81,6 +81,9 @@ class Request:
         self.num_draft_tokens = 0
         """Draft tokens verified for it so far; `num_accepted_draft_tokens` of them accepted."""
         self.num_accepted_draft_tokens = 0
+        self.routed_experts = None
+        """MoE models with `enable_return_routed_experts`, once finished: the experts of every
+        position but the last, [num_tokens - 1, MoE layers, top_k] (a numpy int16 array)."""
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
         """Async scheduling: tokens being sampled by steps in flight, not yet committed. Their

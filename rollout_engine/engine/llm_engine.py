@@ -101,6 +101,7 @@ class LLMEngine:
         self.lander = StepLander(
             self.executor, self.scheduler, self.output_processor, self.abort_request,
             self.hooks.after_update, lambda: self.weight_version, self.limits.vocab_size,
+            routed_experts=self.worker.routed_experts,
         )
         self.control = EngineControl(
             self.scheduler, self.worker, self.lander, self.output_processor, self.memory_events,

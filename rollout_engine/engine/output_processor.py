@@ -151,6 +151,10 @@ class OutputProcessor:
         output = RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.prompt,
                                self._prompt_logprobs(group), prompt_finished,
                                group.children[0].num_cached_tokens)
+        routed = next((c.routed_experts for c in group.children
+                       if c.routed_experts is not None), None)
+        if routed is not None:  # the prompt's routing, the same in every sample
+            output.prompt_routed_experts = routed[: len(group.prompt_token_ids)]
         if output.finished:
             self.stats.on_finished(group.children)
             del self._groups[group.request_id]
@@ -202,6 +206,8 @@ class OutputProcessor:
             stop_token_id=request.stop_token_id,
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_draft_tokens=request.num_accepted_draft_tokens,
+            routed_experts=(None if request.routed_experts is None
+                            else request.routed_experts[request.num_prompt_tokens:]),
             # Copies: the request's last span grows after this output is handed out.
             weight_versions=[replace(span) for span in request.weight_versions],
         )

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from rollout_engine.core.scheduler import Scheduler
     from rollout_engine.core.scheduler_output import SchedulerOutput
     from rollout_engine.engine.output_processor import OutputProcessor
+    from rollout_engine.worker.routed_experts import RoutedExperts
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class StepLander:
         after_update: Callable[[LandedStep, list[Request]], None],
         weight_version: Callable[[], int],
         vocab_size: int,
+        routed_experts: RoutedExperts | None = None,
     ) -> None:
         self.executor = executor
         self.scheduler = scheduler
@@ -42,6 +44,8 @@ class StepLander:
         self._after_update = after_update
         self._weight_version = weight_version
         self._vocab_size = vocab_size
+        self._routed_experts = routed_experts
+        """MoE routing beside the KV: read for each request as it finishes."""
         self.pending_outputs: list[RequestOutput] = []
         """Outputs of steps landed outside `step()` (before a sleep...), returned by the next."""
 
@@ -62,12 +66,31 @@ class StepLander:
             if error is landed.error:
                 raise error
             raise error from landed.error
+        tables = self._block_tables(landed.scheduler_output)
         updated = self.scheduler.update_from_output(landed.scheduler_output, landed.runner_output)
+        if tables:
+            self._read_routing(updated, tables)
         self._after_update(landed, updated)
         dead_ended = [r for r in updated if r.is_dead_ended]
         if dead_ended:
             raise self._end_dead_ended(dead_ended, updated)
         return updated
+
+    def _block_tables(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
+        """The block tables of the step's requests, taken before the update may free them."""
+        if self._routed_experts is None:
+            return {}
+        manager = self.scheduler.kv_cache_manager
+        return {r.request_id: manager.get_block_ids(r.request_id)
+                for r in scheduler_output.scheduled_requests}
+
+    def _read_routing(self, updated: list[Request], tables: dict[str, list[int]]) -> None:
+        """A request that finished: its routing, every position but the last (never computed),
+        read through its block table now, while no later step has written those blocks."""
+        for request in updated:
+            if request.is_finished and request.request_id in tables:
+                request.routed_experts = self._routed_experts.read(
+                    tables[request.request_id], request.num_tokens - 1)
 
     def land_all(self) -> None:
         """Land every step in flight (before memory changes under them); their outputs, and

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from rollout_engine.parsing.messages import ParsedMessage
 from rollout_engine.protocol.sampling_params import KVTransferParams
@@ -97,6 +97,10 @@ class CompletionOutput:
     prompt's samples: the prompt's)."""
     num_accepted_draft_tokens: int = 0
     """Of those, the ones accepted (each a token that cost no step of its own)."""
+    routed_experts: Any = field(default=None, compare=False, metadata={"wire": False})
+    """MoE models with `enable_return_routed_experts`, once finished: the experts each output
+    token was routed to as the model read it, [num_output_tokens - 1, MoE layers, top_k]
+    (numpy int16; the last token was never read). Not over gRPC yet."""
     message: ParsedMessage | None = field(default=None, metadata={"wire": False})
     """`LLM.chat` with a tool or reasoning parser: the assistant message parsed from `text`
     (content, reasoning, tool calls), beside the raw token ids and logprobs. Not sent over
@@ -142,6 +146,9 @@ class RequestOutput:
     num_cached_tokens: int | None = field(default=None, compare=False)
     """Prompt tokens read from the prefix cache, not computed (vLLM's), when the prompt's
     first sample was first scheduled; None before that (and over gRPC, for now)."""
+    prompt_routed_experts: Any = field(default=None, compare=False, metadata={"wire": False})
+    """With `enable_return_routed_experts`, once a sample finished: the experts of each prompt
+    token, [num_prompt_tokens, MoE layers, top_k] (cached positions included)."""
 
     @property
     def finished(self) -> bool:

@@ -19,6 +19,7 @@ from rollout_engine.worker.kv_cache_spec import PagedKVCache
 from rollout_engine.worker.lora.slots import LoRASlots
 from rollout_engine.worker.models.packed_linear import PackedCopies
 from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
+from rollout_engine.worker.routed_experts import RoutedExperts
 from rollout_engine.worker.sampling.prompt_logprobs import compute_prompt_logprobs
 from rollout_engine.worker.sampling.sampler import Sampler
 from rollout_engine.worker.staging import HostStaging
@@ -58,8 +59,11 @@ class ModelRunner:
         packed_weights: PackedCopies | None = None,
         batch_invariant: bool = False,
         lora: LoRASlots | None = None,
+        routed_experts: RoutedExperts | None = None,
     ) -> None:
         self.model = model
+        self.routed_experts = routed_experts
+        """MoE routing recorded beside the KV after each forward."""
         self.lora = lora
         """With LoRA enabled: each step's tokens are grouped by adapter before its forward."""
         self.batch_invariant = batch_invariant
@@ -161,6 +165,8 @@ class ModelRunner:
             hidden = self._forward_with_lora(prepared.requests, step)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+        if self.routed_experts is not None:
+            self.routed_experts.store_step(step.metadata.slot_mapping)
         prompt_logprobs = {}
         if step.prompt_logprobs_jobs:  # every rank: the logits are gathered across ranks
             prompt_logprobs = compute_prompt_logprobs(

@@ -27,6 +27,7 @@ from rollout_engine.worker.lora.slots import LoRASlots
 from rollout_engine.worker.model_runner import ModelRunner, PreparedStep
 from rollout_engine.worker.models.packed_linear import PackedCopies, can_pack
 from rollout_engine.worker.models.registry import CausalLM, resolve_model_backend
+from rollout_engine.worker.routed_experts import RoutedExperts
 from rollout_engine.worker.tp.tp_group import TPGroup
 from rollout_engine.worker.weights.loader import resolve_dtype
 from rollout_engine.worker.weights.weight_update import WeightUpdater
@@ -161,10 +162,20 @@ class Worker:
                 max_model_len=max_model_len,
                 scratch_block=self.num_blocks,
             )
+        self.routed_experts = None
+        """MoE routing beside the KV (`enable_return_routed_experts`)."""
+        if model_config.enable_return_routed_experts:
+            if decode_graphs is not None or config.kv_transfer_config.kv_role is not None:
+                raise ValueError("enable_return_routed_experts does not work with cuda_graphs "
+                                 "(a replayed graph runs no router hook) or KV transfers (KV "
+                                 "that arrives has no routing) yet; turn one off")
+            self.routed_experts = RoutedExperts(model, kv_caches.num_blocks * block_size,
+                                                block_size)
         self.model_runner = ModelRunner(
             model, kv_caches, block_size, model_config.seed, decode_graphs,
             is_driver=self.tp.is_driver, packed_weights=self.packed_weights,
             batch_invariant=model_config.batch_invariant, lora=self.lora,
+            routed_experts=self.routed_experts,
         )
 
     def set_eos_token_ids(self, eos_token_ids: Sequence[int]) -> None:
