@@ -148,7 +148,7 @@ class Prompt(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class CompletionOutput(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "text", "weight_version", "kv_transfer_params", "top_logprobs", "stop_str", "stop_token_id", "weight_versions", "num_draft_tokens", "num_accepted_draft_tokens")
+    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "text", "weight_version", "kv_transfer_params", "top_logprobs", "stop_str", "stop_token_id", "weight_versions", "num_draft_tokens", "num_accepted_draft_tokens", "routed_experts")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,7 @@ class CompletionOutput(_message.Message):
     WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -175,7 +176,16 @@ class CompletionOutput(_message.Message):
     weight_versions: _containers.RepeatedCompositeFieldContainer[WeightVersionSpan]
     num_draft_tokens: int
     num_accepted_draft_tokens: int
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., weight_version: _Optional[int] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ...) -> None: ...
+    routed_experts: RoutedExperts
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., weight_version: _Optional[int] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ...) -> None: ...
+
+class RoutedExperts(_message.Message):
+    __slots__ = ("shape", "data")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WeightVersionSpan(_message.Message):
     __slots__ = ("version", "start", "end", "lora_version")
@@ -214,20 +224,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream_deltas: _Optional[bool] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "deltas", "outputs", "prompt_logprobs", "num_cached_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "deltas", "outputs", "prompt_logprobs", "num_cached_tokens", "prompt_routed_experts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     deltas: _containers.RepeatedCompositeFieldContainer[CompletionDelta]
     outputs: _containers.RepeatedCompositeFieldContainer[CompletionOutput]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., deltas: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[CompletionOutput, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_routed_experts: RoutedExperts
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., deltas: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[CompletionOutput, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., prompt_routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ...) -> None: ...
 
 class GenerateBatchRequest(_message.Message):
     __slots__ = ("prompts", "sampling_params", "per_prompt_sampling_params", "lora_name")
@@ -242,18 +254,20 @@ class GenerateBatchRequest(_message.Message):
     def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., per_prompt_sampling_params: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class BatchCompletion(_message.Message):
-    __slots__ = ("prompt_index", "prompt_token_ids", "output", "prompt_logprobs", "num_cached_tokens")
+    __slots__ = ("prompt_index", "prompt_token_ids", "output", "prompt_logprobs", "num_cached_tokens", "prompt_routed_experts")
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     prompt_index: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output: CompletionOutput
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     num_cached_tokens: int
-    def __init__(self, prompt_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[CompletionOutput, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_routed_experts: RoutedExperts
+    def __init__(self, prompt_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[CompletionOutput, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., prompt_routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ...) -> None: ...
 
 class GenerateBatchResponse(_message.Message):
     __slots__ = ("completions",)

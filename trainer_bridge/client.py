@@ -26,6 +26,7 @@ from rollout_engine.protocol import (
     MemoryState,
     PauseMode,
     RequestOutput,
+    RoutedExperts,
     SamplingParams,
     ScoreOutput,
     SleepLevel,
@@ -164,6 +165,9 @@ class EngineClient(LoRAClient):
                 output.prompt_logprobs = prompt_logprobs_from_proto(item.prompt_logprobs)
             if item.HasField("num_cached_tokens"):
                 output.num_cached_tokens = item.num_cached_tokens
+            if item.HasField("prompt_routed_experts"):
+                output.prompt_routed_experts = from_message(item.prompt_routed_experts,
+                                                            RoutedExperts)
             output.outputs.append(completion_from_proto(item.output))
         if len(collected) != len(prompts):
             raise EngineError("the server ended the stream before every prompt finished")

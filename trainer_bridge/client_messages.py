@@ -20,6 +20,7 @@ from rollout_engine.protocol import (
     InvalidRequestError,
     LoadedLoRA,
     RequestOutput,
+    RoutedExperts,
     SamplingParams,
     TopLogprobs,
     error_from_status,
@@ -104,6 +105,9 @@ def apply_generate_response(snapshot: RequestOutput, message: pb.GenerateRespons
         snapshot.prompt_logprobs = prompt_logprobs_from_proto(message.prompt_logprobs)
     if message.HasField("num_cached_tokens"):
         snapshot.num_cached_tokens = message.num_cached_tokens
+    if message.HasField("prompt_routed_experts"):
+        snapshot.prompt_routed_experts = from_message(message.prompt_routed_experts,
+                                                      RoutedExperts)
     by_index = {o.index: o for o in snapshot.outputs}
     for delta in message.deltas:
         output = by_index.get(delta.index)

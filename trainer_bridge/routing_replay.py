@@ -3,7 +3,8 @@ the engine routed each token to (`CompletionOutput.routed_experts`), so that a t
 is computed by the experts that sampled it even where a tiny logit difference would flip the
 router's top-k.
 
-    routing = np.concatenate([output.prompt_routed_experts, completion.routed_experts])
+    routing = np.concatenate([output.prompt_routed_experts.to_numpy(),
+                              completion.routed_experts.to_numpy()])
     with replay_routing(model, routing):       # rows: the forward's tokens, in order
         logits = model(torch.tensor([prompt + completion.token_ids[:-1]])).logits
 

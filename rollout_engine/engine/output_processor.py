@@ -20,6 +20,7 @@ from rollout_engine.protocol import (
     CompletionOutput,
     RequestOutput,
     RequestOutputKind,
+    RoutedExperts,
     TopLogprobs,
 )
 
@@ -154,7 +155,7 @@ class OutputProcessor:
         routed = next((c.routed_experts for c in group.children
                        if c.routed_experts is not None), None)
         if routed is not None:  # the prompt's routing, the same in every sample
-            output.prompt_routed_experts = routed[: len(group.prompt_token_ids)]
+            output.prompt_routed_experts = RoutedExperts.of(routed[: len(group.prompt_token_ids)])
         if output.finished:
             self.stats.on_finished(group.children)
             del self._groups[group.request_id]
@@ -206,8 +207,8 @@ class OutputProcessor:
             stop_token_id=request.stop_token_id,
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_draft_tokens=request.num_accepted_draft_tokens,
-            routed_experts=(None if request.routed_experts is None
-                            else request.routed_experts[request.num_prompt_tokens:]),
+            routed_experts=(None if request.routed_experts is None else
+                            RoutedExperts.of(request.routed_experts[request.num_prompt_tokens:])),
             # Copies: the request's last span grows after this output is handed out.
             weight_versions=[replace(span) for span in request.weight_versions],
         )

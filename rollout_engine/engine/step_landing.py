@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from rollout_engine.core.scheduler import Scheduler
     from rollout_engine.core.scheduler_output import SchedulerOutput
     from rollout_engine.engine.output_processor import OutputProcessor
-    from rollout_engine.worker.routed_experts import RoutedExperts
+    from rollout_engine.worker.routed_experts import RoutingStore
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class StepLander:
         after_update: Callable[[LandedStep, list[Request]], None],
         weight_version: Callable[[], int],
         vocab_size: int,
-        routed_experts: RoutedExperts | None = None,
+        routed_experts: RoutingStore | None = None,
     ) -> None:
         self.executor = executor
         self.scheduler = scheduler

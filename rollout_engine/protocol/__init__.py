@@ -45,6 +45,7 @@ from rollout_engine.protocol.outputs import (  # noqa: F401
     Logprob,
     RequestOutput,
     RequestOutputKind,
+    RoutedExperts,
     ScoreOutput,
     TopLogprobs,
     WeightVersionSpan,

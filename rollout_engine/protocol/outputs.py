@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
+
+import numpy as np
 
 from rollout_engine.parsing.messages import ParsedMessage
 from rollout_engine.protocol.sampling_params import KVTransferParams
@@ -66,6 +68,23 @@ class WeightVersionSpan:
 
 
 @dataclass
+class RoutedExperts:
+    """The experts MoE tokens were routed to, compactly: [tokens, MoE layers, top_k] as int16
+    bytes (little-endian, row-major), in process and over gRPC alike; `to_numpy()` reads it."""
+
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def of(cls, array: np.ndarray) -> RoutedExperts:
+        array = np.ascontiguousarray(array, dtype="<i2")
+        return cls(list(array.shape), array.tobytes())
+
+    def to_numpy(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype="<i2").reshape(self.shape)
+
+
+@dataclass
 class CompletionOutput:
     """One completion of a prompt."""
 
@@ -97,10 +116,10 @@ class CompletionOutput:
     prompt's samples: the prompt's)."""
     num_accepted_draft_tokens: int = 0
     """Of those, the ones accepted (each a token that cost no step of its own)."""
-    routed_experts: Any = field(default=None, compare=False, metadata={"wire": False})
+    routed_experts: RoutedExperts | None = field(default=None, compare=False)
     """MoE models with `enable_return_routed_experts`, once finished: the experts each output
-    token was routed to as the model read it, [num_output_tokens - 1, MoE layers, top_k]
-    (numpy int16; the last token was never read). Not over gRPC yet."""
+    token was routed to as the model read it, [num_output_tokens - 1, MoE layers, top_k] (the
+    last token was never read)."""
     message: ParsedMessage | None = field(default=None, metadata={"wire": False})
     """`LLM.chat` with a tool or reasoning parser: the assistant message parsed from `text`
     (content, reasoning, tool calls), beside the raw token ids and logprobs. Not sent over
@@ -146,7 +165,7 @@ class RequestOutput:
     num_cached_tokens: int | None = field(default=None, compare=False)
     """Prompt tokens read from the prefix cache, not computed (vLLM's), when the prompt's
     first sample was first scheduled; None before that (and over gRPC, for now)."""
-    prompt_routed_experts: Any = field(default=None, compare=False, metadata={"wire": False})
+    prompt_routed_experts: RoutedExperts | None = field(default=None, compare=False)
     """With `enable_return_routed_experts`, once a sample finished: the experts of each prompt
     token, [num_prompt_tokens, MoE layers, top_k] (cached positions included)."""
 

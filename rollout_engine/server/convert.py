@@ -141,6 +141,8 @@ def generate_response(request_id: str, output: RequestOutput, is_first: bool
         message.prompt_logprobs.extend(prompt_logprobs_to_proto(output.prompt_logprobs))
     if output.num_cached_tokens is not None:
         message.num_cached_tokens = output.num_cached_tokens
+    if output.prompt_routed_experts is not None:
+        to_message(output.prompt_routed_experts, message.prompt_routed_experts)
     for completion in output.outputs:
         if completion.finished:
             message.outputs.append(completion_to_proto(completion))
@@ -163,6 +165,8 @@ def batch_completions(prompt_index: int, output: RequestOutput) -> list[pb.Batch
                 item.prompt_logprobs.extend(prompt_logprobs_to_proto(output.prompt_logprobs))
             if output.num_cached_tokens is not None:
                 item.num_cached_tokens = output.num_cached_tokens
+            if output.prompt_routed_experts is not None:
+                to_message(output.prompt_routed_experts, item.prompt_routed_experts)
         completions.append(item)
     return completions
 

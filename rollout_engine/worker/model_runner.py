@@ -19,7 +19,7 @@ from rollout_engine.worker.kv_cache_spec import PagedKVCache
 from rollout_engine.worker.lora.slots import LoRASlots
 from rollout_engine.worker.models.packed_linear import PackedCopies
 from rollout_engine.worker.persistent_batch import PersistentBatch, StepRequest
-from rollout_engine.worker.routed_experts import RoutedExperts
+from rollout_engine.worker.routed_experts import RoutingStore
 from rollout_engine.worker.sampling.prompt_logprobs import compute_prompt_logprobs
 from rollout_engine.worker.sampling.sampler import Sampler
 from rollout_engine.worker.staging import HostStaging
@@ -59,7 +59,7 @@ class ModelRunner:
         packed_weights: PackedCopies | None = None,
         batch_invariant: bool = False,
         lora: LoRASlots | None = None,
-        routed_experts: RoutedExperts | None = None,
+        routed_experts: RoutingStore | None = None,
     ) -> None:
         self.model = model
         self.routed_experts = routed_experts

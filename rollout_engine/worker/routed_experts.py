@@ -26,8 +26,8 @@ def routers_of(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
 
 
-class RoutedExperts:
-    """The routing store of one engine (see the module doc)."""
+class RoutingStore:
+    """The routing of every KV slot of one engine (see the module doc)."""
 
     def __init__(self, model: nn.Module, num_slots: int, block_size: int) -> None:
         self.routers = routers_of(model)

@@ -27,7 +27,7 @@ from rollout_engine.worker.lora.slots import LoRASlots
 from rollout_engine.worker.model_runner import ModelRunner, PreparedStep
 from rollout_engine.worker.models.packed_linear import PackedCopies, can_pack
 from rollout_engine.worker.models.registry import CausalLM, resolve_model_backend
-from rollout_engine.worker.routed_experts import RoutedExperts
+from rollout_engine.worker.routed_experts import RoutingStore
 from rollout_engine.worker.tp.tp_group import TPGroup
 from rollout_engine.worker.weights.loader import resolve_dtype
 from rollout_engine.worker.weights.weight_update import WeightUpdater
@@ -169,7 +169,7 @@ class Worker:
                 raise ValueError("enable_return_routed_experts does not work with cuda_graphs "
                                  "(a replayed graph runs no router hook) or KV transfers (KV "
                                  "that arrives has no routing) yet; turn one off")
-            self.routed_experts = RoutedExperts(model, kv_caches.num_blocks * block_size,
+            self.routed_experts = RoutingStore(model, kv_caches.num_blocks * block_size,
                                                 block_size)
         self.model_runner = ModelRunner(
             model, kv_caches, block_size, model_config.seed, decode_graphs,

@@ -34,7 +34,8 @@ def hf_moe(moe_dir):
 
 def routing_of(output) -> np.ndarray:
     """Prompt and output rows: every position the engine read."""
-    return np.concatenate([output.prompt_routed_experts, output.outputs[0].routed_experts])
+    return np.concatenate([output.prompt_routed_experts.to_numpy(),
+                           output.outputs[0].routed_experts.to_numpy()])
 
 
 @torch.inference_mode()

@@ -116,9 +116,7 @@ def test_proto_messages_carry_exactly_the_shared_fields(cls, message):
     fields = message.DESCRIPTOR.fields_by_name
     hints = typing.get_type_hints(cls)
     local = {f.name for f in dataclasses.fields(cls) if not f.metadata.get("wire", True)}
-    # Views built on one side (a parsed chat message), and the routed experts of MoE models,
-    # not on the wire yet.
-    assert local <= {"message", "routed_experts", "prompt_routed_experts"}
+    assert local <= {"message"}  # views built on one side: a parsed chat message
     assert set(fields) == {f.name for f in dataclasses.fields(cls)} - local
     for name, field in fields.items():
         kind, element = _python_kind(hints[name])
