@@ -25,7 +25,7 @@ from rollout_engine.core.suffix_proposer import SuffixProposer
 MIN_DRAFTS_TO_JUDGE = 16
 MIN_ACCEPTANCE_RATE = 0.2
 # Suffix drafting above `disable_by_batch_size`: a request whose prompt's drafts are accepted
-# this often drafts whatever the batch (its drafts are nearly free tokens).
+# this often drafts whatever the batch (little of what it verifies is wasted).
 HIGH_ACCEPTANCE_RATE = 0.7
 # Suffix drafting: a request whose proposals keep finding nothing waits one more step after
 # each empty one before the next, up to this many (a search costs tens of microseconds).
