@@ -72,13 +72,14 @@ class SpecDecodeStats:
 
 
 @dataclass
-class _RequestRecord:
-    num_drafts: int = 0
-    num_accepted: int = 0
+class _Misses:
+    """Suffix drafting: a request's proposals that found nothing (its verified and accepted
+    drafts the request counts itself: `num_draft_tokens`, `num_accepted_draft_tokens`)."""
+
     num_misses: int = 0
-    """Proposals in a row that found nothing (suffix drafting)."""
+    """Proposals in a row that found nothing."""
     wait: int = 0
-    """Steps to let pass before proposing again (suffix drafting)."""
+    """Steps to let pass before proposing again."""
 
 
 @dataclass
@@ -92,14 +93,14 @@ class SpecDecoder:
     def __post_init__(self) -> None:
         self.suffix = SuffixProposer(self.config) if self.config.method == "suffix" else None
         self.ngram = NgramProposer(self.config) if self.suffix is None else None
-        self._records: dict[str, _RequestRecord] = {}
+        self._misses: dict[str, _Misses] = {}
 
     def record(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                updated: Sequence[Request] = ()) -> None:
         """Count verified and accepted drafts of the step that just ran; remember the
         completions it finished (suffix drafting)."""
         for request_id in scheduler_output.finished_request_ids:
-            self._records.pop(request_id, None)
+            self._misses.pop(request_id, None)
             if self.suffix is not None:
                 self.suffix.forget_request(request_id)
         if self.suffix is not None:
@@ -111,9 +112,6 @@ class SpecDecoder:
             if not sampled:
                 continue
             num_accepted = len(sampled) - 1
-            record = self._records.setdefault(request_id, _RequestRecord())
-            record.num_drafts += len(drafts)
-            record.num_accepted += num_accepted
             self.stats.num_drafts += len(drafts)
             self.stats.num_accepted_tokens += num_accepted
             self.stats.num_draft_steps += 1
@@ -151,17 +149,17 @@ class SpecDecoder:
         return drafts
 
     def _is_due(self, request: Request) -> bool:
-        record = self._records.get(request.request_id)
-        if record is None or not record.wait:
+        misses = self._misses.get(request.request_id)
+        if misses is None or not misses.wait:
             return True
-        record.wait -= 1
+        misses.wait -= 1
         return False
 
     def _propose_suffix(self, request: Request, max_num_tokens: int) -> list[int]:
-        record = self._records.setdefault(request.request_id, _RequestRecord())
+        misses = self._misses.setdefault(request.request_id, _Misses())
         proposal = self.suffix.propose(request, max_num_tokens)
-        record.num_misses = 0 if proposal else record.num_misses + 1
-        record.wait = min(record.num_misses, MAX_MISS_WAIT)
+        misses.num_misses = 0 if proposal else misses.num_misses + 1
+        misses.wait = min(misses.num_misses, MAX_MISS_WAIT)
         return proposal
 
     def reset_history(self) -> None:
@@ -183,11 +181,11 @@ class SpecDecoder:
         return sure + sorted(others, key=self._expected_remaining, reverse=True)[:room]
 
     def _expected_remaining(self, request: Request) -> float:
-        remaining = self.suffix.expected_remaining(request) if self.suffix else None
+        remaining = self.suffix.expected_remaining(request)
         return float("inf") if remaining is None else remaining
 
-    def _is_worth(self, request: Request) -> bool:
-        record = self._records.get(request.request_id)
-        if record is None or record.num_drafts < MIN_DRAFTS_TO_JUDGE:
+    @staticmethod
+    def _is_worth(request: Request) -> bool:
+        if request.num_draft_tokens < MIN_DRAFTS_TO_JUDGE:
             return True
-        return record.num_accepted >= MIN_ACCEPTANCE_RATE * record.num_drafts
+        return request.num_accepted_draft_tokens >= MIN_ACCEPTANCE_RATE * request.num_draft_tokens
