@@ -147,6 +147,9 @@ class LoRARegistry:
         return [LoadedLoRA(a.request.lora_name, a.request.lora_int_id, a.request.lora_path,
                            a.lora_id) for a in self._adapters.values()]
 
+    def loaded_by_name(self, lora_name: str) -> LoadedLoRA | None:
+        return next((a for a in self.loaded() if a.lora_name == lora_name), None)
+
     def _load(self, adapter: _Adapter, peft_config, tensors) -> None:
         if peft_config is None:
             peft_config, tensors = load_peft_adapter(adapter.request.lora_path)

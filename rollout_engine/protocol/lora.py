@@ -38,7 +38,3 @@ class LoadedLoRA:
     lora_int_id: int
     lora_path: str
     version: int
-
-    @property
-    def request(self) -> LoRARequest:
-        return LoRARequest(self.lora_name, self.lora_int_id, self.lora_path)

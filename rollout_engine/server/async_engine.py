@@ -214,7 +214,7 @@ class AsyncEngine:
 
     async def loaded_lora(self, lora_name: str) -> LoadedLoRA | None:
         """The loaded adapter of this name and its load (None: no such adapter)."""
-        return next((a for a in await self.lora_adapters() if a.lora_name == lora_name), None)
+        return await self._loop.call(self._engine.loras.loaded_by_name, lora_name)
 
     async def lora_request(self, lora_name: str) -> LoRARequest | None:
         """The loaded adapter of this name (None: no such adapter)."""
@@ -383,7 +383,7 @@ class LoRAPush:
             loras = self._engine.loras
             loras.add_named(self._lora_name, "", self._peft_config, self._tensors,
                             self._load_inplace)
-            return next(a for a in loras.loaded() if a.lora_name == self._lora_name)
+            return loras.loaded_by_name(self._lora_name)
 
         try:
             return await self._engine_loop.call(load)

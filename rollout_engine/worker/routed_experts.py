@@ -45,11 +45,6 @@ class RoutingStore:
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(self._hook(layer))
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(MoE layers, top_k): the shape of one token's routing."""
-        return self.store.shape[1], self.store.shape[2]
-
     def _hook(self, layer: int):
         def record(module: nn.Module, args, output) -> None:
             indices = output[-1] if isinstance(output, tuple) else None
