@@ -134,11 +134,11 @@ class EngineWeightTransfer:
         """Push a LoRA policy's adapter alone, from memory, as `policy.lora_name` (between
         `pause` and `resume`, as `send_weights`)."""
         dtype = self.weight_dtype if isinstance(self.weight_dtype, torch.dtype) else None
-        adapter = self.client.load_lora_adapter(policy.lora_name, policy.adapter(),
-                                                policy.peft_config, transport=self.transport,
-                                                dtype=dtype)
-        self.syncs.append(WeightSync(self.client.info().weight_version, self._num_kept_requests, adapter,
-                                     policy.num_adapter_bytes()))
+        tensors = policy.adapter()  # read once: PEFT gathers them from the model
+        adapter = self.client.load_lora_adapter(policy.lora_name, tensors, policy.peft_config,
+                                                transport=self.transport, dtype=dtype)
+        self.syncs.append(WeightSync(self.client.info().weight_version, self._num_kept_requests,
+                                     adapter, sum(t.nbytes for t in tensors.values())))
         return adapter
 
     def resume(self) -> None:
