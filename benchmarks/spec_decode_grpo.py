@@ -1,8 +1,9 @@
 """The GRPO workload of `benchmarks/spec_decode.py --grpo`: P prompts x G samples, the same
 prompts for several epochs, sampled at temperature 1 by a policy that has learnt one
 completion per prompt, 32 to 272 tokens long (`template_model.py`), with no drafting, n-gram
-drafting and suffix drafting side by side. Each epoch seeds its prompts anew (the same seeds for every system), so
-the three systems must give identical tokens while each epoch's samples differ from the last.
+drafting and suffix drafting side by side. Each epoch seeds its prompts anew (the same seeds
+for every system), so the three systems must give identical tokens while each epoch's samples
+differ from the last.
 
 Reported per epoch: the makespan (the wall time of the epoch's `generate`: the step is as long
 as its longest rollout) and tok/s; then suffix against n-gram and against no drafting. A second

@@ -113,7 +113,8 @@ def build_template_model(output_dir: str | Path, num_steps: int = NUM_TRAIN_STEP
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "template_model"))
+    parser.add_argument("--output",
+                        default=str(Path(__file__).parent / "results" / "template_model"))
     parser.add_argument("--num-steps", type=int, default=NUM_TRAIN_STEPS)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
