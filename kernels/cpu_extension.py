@@ -2,7 +2,8 @@
 (`kernels/csrc/paged_attention_cpu.cpp`), the decoder's fused elementwise ops
 (`fused_ops_cpu.cpp`: RMSNorm with its residual add, rotary embedding, SiLU-and-mul) and the
 batch-invariant linear layer and attention (`batch_invariant_cpu.cpp`,
-`batch_invariant_attention_cpu.cpp`).
+`batch_invariant_attention_cpu.cpp`), LoRA (`lora_cpu.cpp`) and the grouped experts of a
+mixture-of-experts layer (`moe_experts_cpu.cpp`).
 
 It is compiled with the machine's C++ compiler through `torch.utils.cpp_extension` (for this
 CPU: `-O3 -march=native`) into torch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
@@ -27,9 +28,10 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "batch_invariant_cpu.cpp",
-                        "batch_invariant_attention_cpu.cpp", "lora_cpu.cpp")]
+                        "batch_invariant_attention_cpu.cpp", "lora_cpu.cpp", "moe_experts_cpu.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name
-           for name in ("cpu_vec.h", "batch_invariant_vec.h", "batch_invariant_amx.h")]
+           for name in ("cpu_vec.h", "batch_invariant_vec.h", "batch_invariant_amx.h",
+                        "batch_invariant_gemm.h")]
 _NAME = "rollout_engine_cpu_attention"
 _ENV = "ROLLOUT_ENGINE_CPU_KERNEL"
 _lock = threading.Lock()
@@ -198,6 +200,21 @@ def batch_invariant_paged_attention(query: torch.Tensor, key_cache: torch.Tensor
     return torch.ops.rollout_cpu.batch_invariant_paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale),
         int(sliding_window))
+
+
+def moe_pack(weights: torch.Tensor) -> torch.Tensor:
+    """Expert weights [E, N, K] in the grouped experts' layout: per expert panels of 16 output
+    columns, [E, ceil(N / 16), K, 16], zeros past N (a copy)."""
+    return torch.ops.rollout_cpu.moe_pack(weights)
+
+
+def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                gate_up: torch.Tensor, down: torch.Tensor, intermediate_size: int) -> torch.Tensor:
+    """A mixture-of-experts layer's experts (SiLU-gated, gate|up concatenated) for x [T, H]
+    routed to top_k_index [T, k] with top_k_weights [T, k]; gate_up, down from `moe_pack` ->
+    [T, H]; every output in a fixed order (see the C++ source)."""
+    return torch.ops.rollout_cpu.moe_experts(x, top_k_index, top_k_weights, gate_up, down,
+                                             int(intermediate_size))
 
 
 def main() -> None:

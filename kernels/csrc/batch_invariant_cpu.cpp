@@ -33,82 +33,15 @@
 #include <type_traits>
 
 #include "batch_invariant_amx.h"
+#include "batch_invariant_gemm.h"
 #include "batch_invariant_vec.h"
 
 namespace {
 
 using batch_invariant::AccFor;
-using batch_invariant::kLanes;
-using batch_invariant::VecFor;
-
-constexpr int64_t kPanel = kLanes;  // output columns per packed panel
-constexpr int64_t kRowChunk = 96;   // rows per parallel work item (a multiple of every kRows)
-
-// Accumulators held in registers: kRows x kPanels vectors of 16 lanes.
-template <typename scalar_t>
-struct Blocking {
-#if defined(__AVX512F__)
-  static constexpr int kRows = std::is_same_v<scalar_t, double> ? 4 : 8;
-  static constexpr int kPanels = std::is_same_v<scalar_t, double> ? 1 : 2;
-#elif defined(__AVX2__) && defined(__FMA__)
-  static constexpr int kRows = std::is_same_v<scalar_t, double> ? 4 : 6;
-  static constexpr int kPanels = 1;
-#else
-  static constexpr int kRows = 4;
-  static constexpr int kPanels = 1;
-#endif
-};
-
-// out[m0 + r, n0 + c] for R rows and P panels (16 P columns, the last ones past N skipped).
-// x: R rows of K widened inputs; panel: the first of P packed panels; bias: padded or null.
-template <typename scalar_t, int R, int P>
-inline void micro_kernel(const AccFor<scalar_t>* x, int64_t x_stride, const scalar_t* panel,
-                         int64_t K, const AccFor<scalar_t>* bias, scalar_t* out,
-                         int64_t out_stride, int64_t n0, int64_t N) {
-  using V = VecFor<scalar_t>;
-  using Acc = AccFor<scalar_t>;
-  const int64_t panel_stride = K * kPanel;
-  V acc[R][P];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) acc[r][p] = V::zero();
-  for (int64_t k = 0; k < K; ++k) {
-    V w[P];
-    for (int p = 0; p < P; ++p) w[p] = V::load(panel + p * panel_stride + k * kPanel);
-    for (int r = 0; r < R; ++r) {
-      const V a = V::broadcast(x[r * x_stride + k]);
-      for (int p = 0; p < P; ++p) acc[r][p] = V::fma(a, w[p], acc[r][p]);
-    }
-  }
-  alignas(64) Acc lanes[kPanel];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) {
-      V v = acc[r][p];
-      if (bias != nullptr) v = V::add(v, V::load(bias + p * kPanel));
-      const int64_t col = n0 + p * kPanel;
-      const int64_t valid = std::min(kPanel, N - col);
-      scalar_t* dst = out + r * out_stride + col;
-      if constexpr (std::is_same_v<scalar_t, Acc>) {
-        if (valid == kPanel) {
-          v.store(dst);
-          continue;
-        }
-      }
-      v.store(lanes);
-      for (int64_t j = 0; j < valid; ++j) dst[j] = static_cast<scalar_t>(lanes[j]);
-    }
-}
-
-// The last rows of a chunk (fewer than kRows) run the same chains with fewer accumulators.
-template <typename scalar_t, int R, int P>
-inline void micro_rows(int64_t rows, const AccFor<scalar_t>* x, int64_t x_stride,
-                       const scalar_t* panel, int64_t K, const AccFor<scalar_t>* bias,
-                       scalar_t* out, int64_t out_stride, int64_t n0, int64_t N) {
-  if (rows == R) {
-    micro_kernel<scalar_t, R, P>(x, x_stride, panel, K, bias, out, out_stride, n0, N);
-  } else if constexpr (R > 1) {
-    micro_rows<scalar_t, R - 1, P>(rows, x, x_stride, panel, K, bias, out, out_stride, n0, N);
-  }
-}
+using batch_invariant::Blocking;
+using batch_invariant::kPanel;
+using batch_invariant::kRowChunk;
 
 // x: [M, K] widened and contiguous; packed: [ceil(N / 16), K, 16]; bias: padded to whole
 // panels or undefined; out: [M, N].
@@ -116,7 +49,6 @@ template <typename scalar_t>
 void linear_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias,
                           at::Tensor& out, int64_t N) {
   using Acc = AccFor<scalar_t>;
-  constexpr int R = Blocking<scalar_t>::kRows;
   constexpr int P = Blocking<scalar_t>::kPanels;
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
   const Acc* xp = x.data_ptr<Acc>();
@@ -131,18 +63,8 @@ void linear_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const a
       const int64_t chunk = item / groups, group = item % groups;
       const int64_t m1 = std::min(M, (chunk + 1) * kRowChunk);
       const int64_t first = group * P, count = std::min<int64_t>(P, panels - first);
-      const scalar_t* panel = wp + first * K * kPanel;
-      const Acc* panel_bias = bp ? bp + first * kPanel : nullptr;
-      for (int64_t m = chunk * kRowChunk; m < m1; m += R) {
-        const int64_t rows = std::min<int64_t>(R, m1 - m);
-        if (count == P) {
-          micro_rows<scalar_t, R, P>(rows, xp + m * K, K, panel, K, panel_bias, op + m * os, os,
-                                     first * kPanel, N);
-        } else {
-          micro_rows<scalar_t, R, 1>(rows, xp + m * K, K, panel, K, panel_bias, op + m * os, os,
-                                     first * kPanel, N);
-        }
-      }
+      batch_invariant::rows_times_panels<scalar_t, scalar_t>(xp, chunk * kRowChunk, m1, K, wp,
+                                                             first, count, bp, op, os, N);
     }
   });
 }

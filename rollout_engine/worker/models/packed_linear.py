@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout_engine.worker.models.experts import PackedExperts, can_pack_experts, pack_experts
+
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_SIZE_HINT = 64
 """oneDNN's hint of the rows a packed weight will see; any row count works (measured: from 1
@@ -112,7 +114,7 @@ class PackedCopies:
     go: `_install` packs and hands them to the modules, `_uninstall` takes them back."""
 
     def __init__(self) -> None:
-        self._copies: list[PackedLinear] = []
+        self._copies: list[PackedLinear | PackedExperts] = []
         self.is_packed = False
         self.num_packs = 0
         """How many times the weights were packed (once per load, wake or update)."""
@@ -137,7 +139,7 @@ class PackedCopies:
         """Memory the packed copies hold now."""
         return sum(copy.num_bytes for copy in self._copies)
 
-    def _install(self) -> list[PackedLinear]:
+    def _install(self) -> list[PackedLinear | PackedExperts]:
         raise NotImplementedError
 
     def _uninstall(self) -> None:
@@ -176,7 +178,8 @@ class PackedWeights(PackedCopies):
 class PackedModuleLinears(PackedCopies):
     """The same for a model whose module tree is not ours (the transformers backend): every
     `nn.Linear` runs on a packed copy of its own weight (no fusion), its `forward` replaced
-    by the packed call while packed and given back when dropped."""
+    by the packed call while packed and given back when dropped; the experts of its
+    mixture-of-experts layers get their grouped kernel's copies (`experts.py`)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
@@ -184,13 +187,19 @@ class PackedModuleLinears(PackedCopies):
             m for m in model.modules()
             if type(m) is torch.nn.Linear and m.weight.dtype in PACKABLE_DTYPES
         ]
+        self.experts = [m for m in model.modules() if can_pack_experts(m)]
 
-    def _install(self) -> list[PackedLinear]:
+    def _install(self) -> list[PackedLinear | PackedExperts]:
         for linear in self.linears:
             # An instance attribute: nn.Module.__call__ finds it before the class's forward.
             linear.forward = _pack_linears([linear], True)
-        return [linear.forward for linear in self.linears]
+        for module in self.experts:
+            module.packed_experts = pack_experts(module)
+        return ([linear.forward for linear in self.linears]
+                + [module.packed_experts for module in self.experts])
 
     def _uninstall(self) -> None:
         for linear in self.linears:
             linear.__dict__.pop("forward", None)  # nn.Linear.forward again
+        for module in self.experts:
+            module.packed_experts = None

@@ -27,6 +27,7 @@ from rollout_engine.protocol import ModelLoadError
 from rollout_engine.worker.kv_cache_spec import LayerKVSpec
 from rollout_engine.worker.lora.slots import LoRAPoint, LoRASlots
 from rollout_engine.worker.models.decoder import sliding_windows_of
+from rollout_engine.worker.models.experts import use_our_experts
 from rollout_engine.worker.models.tp_sharding import ShardSpec
 from rollout_engine.worker.models.transformers_attention import (
     ATTENTION_NAME,
@@ -163,6 +164,7 @@ class TransformersForCausalLM(nn.Module):
         except (ValueError, ImportError) as exc:
             raise ModelLoadError(f"transformers cannot build {config.model_type}: {exc}") from exc
         causal_lm.eval()  # inference: no dropout (GPT-2's resid_pdrop...)
+        use_our_experts(causal_lm)
         for name, child in causal_lm.named_children():
             self.add_module(name, child)
         # Not a submodule (its children are ours already, under their names): the probe runs
