@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(
 
 TRITON_MODULES = (
     "kernels.triton_utils", "kernels.triton_kv_store", "kernels.triton_paged_attention",
-    "kernels.triton_lora",
+    "kernels.triton_lora", "kernels.triton_moe",
 )
 
 
@@ -57,7 +57,8 @@ def triton_kernels():
         attention = importlib.import_module("kernels.triton_paged_attention")
         store = importlib.import_module("kernels.triton_kv_store")
         lora = importlib.import_module("kernels.triton_lora")
-        yield SimpleNamespace(attention=attention, store=store, lora=lora)
+        moe = importlib.import_module("kernels.triton_moe")
+        yield SimpleNamespace(attention=attention, store=store, lora=lora, moe=moe)
         for name in TRITON_MODULES:
             sys.modules.pop(name, None)
             if hasattr(kernels, name.rpartition(".")[2]):

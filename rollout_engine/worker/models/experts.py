@@ -7,8 +7,9 @@ transformers dispatches an experts module's forward (the classes decorated with
 the packed linears of `packed_linear.PackedModuleLinears`), a supported module runs
 `kernels/csrc/moe_experts_cpu.cpp`: all of a step's tokens and experts in one call, every expert's
 rows through its own packed weights, spread over the threads by (expert, rows, columns). Everything
-else (another device, weights not packed, a layout or activation the kernel does not have) runs
-transformers' own `grouped_mm` implementation, the default it replaces.
+else on the CPU (weights not packed, a layout or activation the kernel does not have) runs
+transformers' own `grouped_mm` implementation, the default it replaces; on CUDA, the same layout
+runs our Triton fused MoE (`kernels/triton_moe.py`).
 
 Measured on two AVX-512 cores (8 experts, 2 per token, hidden 512, expert width 344): float32
 3.2x `grouped_mm` at 64 tokens, 1.3x at 1,024; bfloat16 1.6x at 64 tokens but slower than oneDNN's
@@ -17,6 +18,7 @@ native bf16 GEMMs past about 48 rows per expert, where `grouped_mm` keeps them.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -67,22 +69,27 @@ def is_experts_module(module: nn.Module) -> bool:
     return hasattr(module, "has_gate") and hasattr(module, "is_concatenated")
 
 
-def can_pack_experts(module: nn.Module) -> bool:
-    """Whether the grouped kernel computes this experts module: SiLU-gated, gate|up concatenated
-    in one [E, 2I, H] weight, down [E, H, I], no biases, no per-expert norm, on the CPU."""
+def has_kernel_layout(module: nn.Module) -> bool:
+    """Whether our kernels compute this experts module: SiLU-gated, gate|up concatenated in one
+    [E, 2I, H] weight, down [E, H, I], no biases, no per-expert norm."""
     from transformers.activations import SiLUActivation
     from transformers.integrations.moe import _default_apply_gate
 
     gate_up = getattr(module, "gate_up_proj", None)
     return (
-        is_experts_module(module) and cpu_extension.available()
+        is_experts_module(module)
         and module.has_gate and module.is_concatenated and not module.has_bias
         and not module.is_transposed and not module.has_post_expert_norm
         and type(module)._apply_gate is _default_apply_gate
         and isinstance(getattr(module, "act_fn", None), (nn.SiLU, SiLUActivation))
         and isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3
-        and gate_up.device.type == "cpu"
     )
+
+
+def can_pack_experts(module: nn.Module) -> bool:
+    """Whether the grouped CPU kernel computes this experts module (on packed copies)."""
+    return (has_kernel_layout(module) and module.gate_up_proj.device.type == "cpu"
+            and cpu_extension.available())
 
 
 def pack_experts(module: nn.Module) -> PackedExperts:
@@ -93,15 +100,29 @@ def pack_experts(module: nn.Module) -> PackedExperts:
 
 def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """hidden_states [T, H], top_k_index / top_k_weights [T, k] -> [T, H]: the grouped kernel
-    where it serves, else transformers' `grouped_mm` implementation."""
+    """hidden_states [T, H], top_k_index / top_k_weights [T, k] -> [T, H]: the grouped CPU
+    kernel where it serves, the Triton fused MoE on CUDA, else transformers' `grouped_mm`
+    implementation (and always under autograd: our kernels have no backward)."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     packed: PackedExperts | None = getattr(module, "packed_experts", None)
     if packed is not None and _kernel_serves(hidden_states, top_k_index, packed):
         return cpu_extension.moe_experts(hidden_states, top_k_index, top_k_weights,
                                          packed.gate_up, packed.down, packed.intermediate_size)
+    if hidden_states.is_cuda and not torch.is_grad_enabled() and _triton_serves(module):
+        from kernels.triton_moe import fused_moe_triton
+
+        return fused_moe_triton(hidden_states, top_k_index, top_k_weights,
+                                module.gate_up_proj, module.down_proj)
     return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+
+
+def _triton_serves(module: nn.Module) -> bool:
+    serves = getattr(module, "_triton_moe_serves", None)
+    if serves is None:  # decided once per module: its layout does not change
+        serves = module._triton_moe_serves = (
+            has_kernel_layout(module) and importlib.util.find_spec("triton") is not None)
+    return serves
 
 
 def _kernel_serves(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
