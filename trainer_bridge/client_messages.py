@@ -120,11 +120,21 @@ def apply_generate_response(snapshot: RequestOutput, message: pb.GenerateRespons
             output.top_logprobs = (output.top_logprobs or []) + [
                 from_message(e, TopLogprobs) for e in delta.top_logprobs
             ]
+        if delta.HasField("routed_experts"):
+            output.routed_experts = _extended(output.routed_experts, delta.routed_experts)
     for final in message.outputs:
         if final.index in by_index:
             snapshot.outputs.remove(by_index[final.index])
         snapshot.outputs.append(completion_from_proto(final))
     snapshot.outputs.sort(key=lambda o: o.index)
+
+
+def _extended(rows: RoutedExperts | None, delta: pb.RoutedExperts) -> RoutedExperts:
+    """A stream's rows so far with a delta's appended (rows of the same layers and top_k)."""
+    new = from_message(delta, RoutedExperts)
+    if rows is None:
+        return new
+    return RoutedExperts([rows.shape[0] + new.shape[0], *rows.shape[1:]], rows.data + new.data)
 
 
 def lora_from_proto(message: pb.LoRAAdapter) -> LoadedLoRA:

@@ -82,8 +82,9 @@ class Request:
         """Draft tokens verified for it so far; `num_accepted_draft_tokens` of them accepted."""
         self.num_accepted_draft_tokens = 0
         self.routed_experts = None
-        """MoE models with `enable_return_routed_experts`, once finished: the experts of every
-        position but the last, [num_tokens - 1, MoE layers, top_k] (a numpy int16 array)."""
+        """MoE models with `enable_return_routed_experts`: the experts of the positions read so
+        far (a `RoutedRows`; once finished, every position but the last): a stream's as each
+        step lands, another's when it finishes."""
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
         """Async scheduling: tokens being sampled by steps in flight, not yet committed. Their

@@ -5,8 +5,9 @@ tokens are found from the step's updated requests, and a prompt's output copies 
 output kind asks for (nothing until it finishes for FINAL_ONLY, the new tokens for DELTA).
 Only CUMULATIVE outputs copy every token so far, at every step. What a stream's consumer was
 handed already is known here and only here: a DELTA output has the samples with news, each
-finish once, the prompt logprobs once. Text likewise: a DELTA output decodes its new tokens,
-any other a sample's text once it finished (rollout_engine.engine.detokenizer).
+finish once, the prompt logprobs and the prompt's routed experts once, and the routed experts
+read since the previous output. Text likewise: a DELTA output decodes its new tokens, any other
+a sample's text once it finished (rollout_engine.engine.detokenizer).
 """
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ class RequestGroup:
     """Per sample, whether an earlier output already reported it finished."""
     sent_prompt_logprobs: bool = False
     """Streams: whether an earlier output carried the prompt logprobs."""
+    num_sent_routed_rows: list[int] = field(default_factory=list)
+    """Streams, with routed experts: per sample, how many of its rows earlier outputs carried."""
+    sent_prompt_routed_experts: bool = False
     texts: list[CompletionText | None] = field(default_factory=list)
     """Per sample, its text (None: not decoded)."""
 
@@ -86,12 +90,17 @@ class OutputProcessor:
         group.num_sent_tokens = [0] * num_children
         group.num_sent_logprobs = [0] * num_children
         group.sent_finished = [False] * num_children
+        group.num_sent_routed_rows = [0] * num_children
         self._groups[group.request_id] = group
         self._group_of.update((child.request_id, group.request_id) for child in group.children)
         self.stats.on_added(group.children)
 
     def output_kind(self, group_id: str) -> RequestOutputKind:
         return self._groups[group_id].output_kind
+
+    def streams(self, request_id: str) -> bool:
+        """Whether a (child) request's outputs are streamed: each carries only what is new."""
+        return self._groups[self._group_of[request_id]].output_kind in _STREAMED
 
     def children_of(self, group_ids: Iterable[str]) -> list[str]:
         return [c.request_id for gid in group_ids if gid in self._groups
@@ -152,10 +161,7 @@ class OutputProcessor:
         output = RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.prompt,
                                self._prompt_logprobs(group), prompt_finished,
                                group.children[0].num_cached_tokens)
-        routed = next((c.routed_experts for c in group.children
-                       if c.routed_experts is not None), None)
-        if routed is not None:  # the prompt's routing, the same in every sample
-            output.prompt_routed_experts = RoutedExperts.of(routed[: len(group.prompt_token_ids)])
+        output.prompt_routed_experts = self._prompt_routed_experts(group)
         if output.finished:
             self.stats.on_finished(group.children)
             del self._groups[group.request_id]
@@ -184,6 +190,39 @@ class OutputProcessor:
             group.sent_prompt_logprobs = True
         return list(first.prompt_logprobs)
 
+    @staticmethod
+    def _prompt_routed_experts(group: RequestGroup) -> RoutedExperts | None:
+        """The prompt's routing (the same in every sample) once a sample read it: in every
+        output but a stream's, which carry it once, with the first tokens."""
+        streamed = group.output_kind in _STREAMED
+        if streamed and group.sent_prompt_routed_experts:
+            return None
+        num_prompt_tokens = len(group.prompt_token_ids)
+        rows = next((c.routed_experts for c in group.children if c.routed_experts is not None
+                     and c.routed_experts.num_rows >= num_prompt_tokens), None)
+        if rows is None:
+            return None
+        group.sent_prompt_routed_experts = streamed
+        return RoutedExperts.of(rows.view(0, num_prompt_tokens))
+
+    @staticmethod
+    def _routed_experts(group: RequestGroup, j: int) -> RoutedExperts | None:
+        """Sample j's output rows in this output: for streams those no earlier output carried
+        (DELTA_THEN_WHOLE: all, once it finished), else all (read once it finished). Rows lag
+        tokens by one: a token's row is read once the token after it is sampled."""
+        request = group.children[j]
+        rows = request.routed_experts
+        if rows is None:
+            return None
+        start = request.num_prompt_tokens
+        if group.output_kind in _STREAMED:
+            first_unsent = max(start, group.num_sent_routed_rows[j])
+            group.num_sent_routed_rows[j] = rows.num_rows
+            if not (group.output_kind is RequestOutputKind.DELTA_THEN_WHOLE
+                    and request.is_finished):
+                start = first_unsent
+        return RoutedExperts.of(rows.view(start))
+
     def _completion(self, group: RequestGroup, j: int, weight_version: int) -> CompletionOutput:
         request = group.children[j]
         if request.is_finished and not group.sent_finished[j]:
@@ -207,8 +246,7 @@ class OutputProcessor:
             stop_token_id=request.stop_token_id,
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_draft_tokens=request.num_accepted_draft_tokens,
-            routed_experts=(None if request.routed_experts is None else
-                            RoutedExperts.of(request.routed_experts[request.num_prompt_tokens:])),
+            routed_experts=self._routed_experts(group, j),
             # Copies: the request's last span grows after this output is handed out.
             weight_versions=[replace(span) for span in request.weight_versions],
         )

@@ -45,7 +45,8 @@ class StepLander:
         self._weight_version = weight_version
         self._vocab_size = vocab_size
         self._routed_experts = routed_experts
-        """MoE routing beside the KV: read for each request as it finishes."""
+        """MoE routing beside the KV: read for each request as it finishes, and for a stream's
+        as each step lands."""
         self.pending_outputs: list[RequestOutput] = []
         """Outputs of steps landed outside `step()` (before a sleep...), returned by the next."""
 
@@ -85,12 +86,15 @@ class StepLander:
                 for r in scheduler_output.scheduled_requests}
 
     def _read_routing(self, updated: list[Request], tables: dict[str, list[int]]) -> None:
-        """A request that finished: its routing, every position but the last (never computed),
-        read through its block table now, while no later step has written those blocks."""
+        """The routing of every position but the last (not computed yet) of the requests that
+        finished, and of streams, read through their block tables now, while no later step has
+        written those blocks; a stream reads only its rows new since the last step."""
+        streams = self.output_processor.streams
         for request in updated:
-            if request.is_finished and request.request_id in tables:
-                request.routed_experts = self._routed_experts.read(
-                    tables[request.request_id], request.num_tokens - 1)
+            if request.request_id in tables and (
+                    request.is_finished or streams(request.request_id)):
+                request.routed_experts = self._routed_experts.read_new(
+                    request.routed_experts, tables[request.request_id], request.num_tokens - 1)
 
     def land_all(self) -> None:
         """Land every step in flight (before memory changes under them); their outputs, and

@@ -119,7 +119,8 @@ class CompletionOutput:
     routed_experts: RoutedExperts | None = field(default=None, compare=False)
     """MoE models with `enable_return_routed_experts`, once finished: the experts each output
     token was routed to as the model read it, [num_output_tokens - 1, MoE layers, top_k] (the
-    last token was never read)."""
+    last token was never read). In a streamed (DELTA) output: the rows new since the previous
+    one (a token's row comes with the token after it); they add up to the finished one's."""
     message: ParsedMessage | None = field(default=None, metadata={"wire": False})
     """`LLM.chat` with a tool or reasoning parser: the assistant message parsed from `text`
     (content, reasoning, tool calls), beside the raw token ids and logprobs. Not sent over
@@ -167,7 +168,8 @@ class RequestOutput:
     first sample was first scheduled; None before that (and over gRPC, for now)."""
     prompt_routed_experts: RoutedExperts | None = field(default=None, compare=False)
     """With `enable_return_routed_experts`, once a sample finished: the experts of each prompt
-    token, [num_prompt_tokens, MoE layers, top_k] (cached positions included)."""
+    token, [num_prompt_tokens, MoE layers, top_k] (cached positions included); in a stream, in
+    its first output (with the first tokens) only."""
 
     @property
     def finished(self) -> bool:

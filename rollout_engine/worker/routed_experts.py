@@ -6,8 +6,9 @@ expert indices last) is hooked; after each forward the step's indices, [tokens, 
 top_k], are written into a host tensor with one row per KV slot, at the step's slot mapping,
 exactly where the tokens' keys and values went. A position's routing therefore lives as long as
 its KV: a prefix-cache hit reads the routing of the request that computed the block, and a
-preempted request's recomputed positions are written again. `read(block_ids, num_positions)`
-gathers a request's rows through its block table.
+preempted request's recomputed positions are written again. `read(block_ids, start, end)`
+gathers a request's rows through its block table; `read_new` appends the rows a request has not
+read yet to its `RoutedRows` (streams read each step's few new rows, others all at once).
 """
 
 from __future__ import annotations
@@ -26,6 +27,31 @@ def routers_of(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
 
 
+class RoutedRows:
+    """One request's routing read so far: positions [0, num_rows), [num_rows, MoE layers, top_k]
+    int16. Appends grow it by doubling, so reading a stream row by row costs O(rows) in all."""
+
+    def __init__(self) -> None:
+        self._buffer = np.empty((0, 0, 0), dtype=np.int16)  # [capacity, layers, top_k]
+        self.num_rows = 0
+
+    def append(self, rows: np.ndarray) -> None:
+        end = self.num_rows + len(rows)
+        if self.num_rows == 0 and len(self._buffer) < end:
+            self._buffer = rows  # the first read, taken as it is (a fresh array)
+        else:
+            if end > len(self._buffer):
+                grown = np.empty((max(end, 2 * len(self._buffer)), *rows.shape[1:]), np.int16)
+                grown[: self.num_rows] = self._buffer[: self.num_rows]
+                self._buffer = grown
+            self._buffer[self.num_rows:end] = rows
+        self.num_rows = end
+
+    def view(self, start: int = 0, end: int | None = None) -> np.ndarray:
+        """Rows [start, end) (end: all read), without copying."""
+        return self._buffer[start: self.num_rows if end is None else end]
+
+
 class RoutingStore:
     """The routing of every KV slot of one engine (see the module doc)."""
 
@@ -41,6 +67,8 @@ class RoutingStore:
         self.block_size = block_size
         self.store = torch.full((num_slots, len(self.routers), top_k), -1, dtype=torch.int16)
         """Per KV slot: the experts of the token whose KV is there (-1: never written)."""
+        self.num_rows_read = 0
+        """Rows gathered by `read` since start: the host work returning routing costs."""
         self._step: list[torch.Tensor | None] = [None] * len(self.routers)
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(self._hook(layer))
@@ -65,10 +93,21 @@ class RoutingStore:
         written = slots >= 0
         self.store[slots[written]] = routing[written]
 
-    def read(self, block_ids: Sequence[int], num_positions: int) -> np.ndarray:
-        """The routing of positions [0, num_positions) of a request with this block table:
-        [num_positions, layers, top_k] int16."""
-        positions = np.arange(num_positions)
-        blocks = np.asarray(block_ids[: -(-num_positions // self.block_size)], dtype=np.int64)
-        slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+    def read(self, block_ids: Sequence[int], start: int, end: int) -> np.ndarray:
+        """The routing of positions [start, end) of a request with this block table:
+        [end - start, layers, top_k] int16 (a new array)."""
+        first_block = start // self.block_size
+        blocks = np.asarray(block_ids[first_block: -(-end // self.block_size)], dtype=np.int64)
+        positions = np.arange(start, end)
+        slots = (blocks[positions // self.block_size - first_block] * self.block_size
+                 + positions % self.block_size)
+        self.num_rows_read += end - start
         return self.store[torch.from_numpy(slots)].numpy()
+
+    def read_new(self, rows: RoutedRows | None, block_ids: Sequence[int], end: int
+                 ) -> RoutedRows:
+        """`rows` (new ones if None) with positions [rows.num_rows, end) appended."""
+        rows = RoutedRows() if rows is None else rows
+        if end > rows.num_rows:
+            rows.append(self.read(block_ids, rows.num_rows, end))
+        return rows

@@ -35,7 +35,6 @@ REFUSED_FIELDS: dict[str, str] = {
     "repetition_detection": "repetition detection is not supported",
     "thinking_token_budget": "thinking budgets are not supported",
     "priority": "priority scheduling is not supported; send priority 0",
-    "routed_experts_prompt_start": "routed-expert data is not returned",
     "length_penalty": "length_penalty applies to beam search only, which is not supported",
     "media_io_kwargs": "multimodal inputs are not supported",
     "mm_processor_kwargs": "multimodal inputs are not supported",
@@ -147,7 +146,8 @@ class SamplingFields(VllmRequest):
     session_id: str | None = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
-    routed_experts_prompt_start: int = 0
+    routed_experts_prompt_start: Annotated[int, Field(ge=0)] = 0
+    """With `serve --enable-return-routed-experts`: the prompt rows `routed_experts` skips."""
     return_token_offsets: bool | None = False
     return_mm_kwargs: bool = True
     cache_salt: str | None = None

@@ -1,7 +1,8 @@
 """`POST /v1/chat/completions`: one conversation rendered with the chat template, `n`
 completions of it, answered as `vllm serve` answers: the assistant message per choice,
 `token_ids` and the response's `prompt_token_ids` with `return_token_ids`, chat-form logprobs
-(`logprobs` / `top_logprobs`), and server-sent events with `stream`.
+(`logprobs` / `top_logprobs`), `routed_experts` (routing_json.py), and server-sent events with
+`stream`.
 
 Tools are rendered into the prompt; with `--tool-call-parser` and `--reasoning-parser` the
 answer's calls and reasoning are parsed out of the text (`chat_tools.py`).
@@ -37,6 +38,7 @@ from rollout_engine.server.http.context import ServingContext, serving
 from rollout_engine.server.http.error_responses import json_response
 from rollout_engine.server.http.generation import read_json, until_disconnected
 from rollout_engine.server.http.logprobs import TokenTexts, chat_logprobs, prompt_logprobs_json
+from rollout_engine.server.http.routing_json import StreamedRouting, choice_routed_experts
 from rollout_engine.server.http.sampling import chat_params
 from rollout_engine.server.http.sse import EventStreamResponse, event
 
@@ -106,6 +108,8 @@ def chat_response(ctx: ServingContext, tools: ChatTools, response_id: str,
                                            bool(message.get("tool_calls"))),
             "stop_reason": completion.stop_reason,
             "token_ids": completion.token_ids if request.return_token_ids else None,
+            "routed_experts": choice_routed_experts(output, completion.routed_experts,
+                                                    request.routed_experts_prompt_start),
         })
     num_generated = sum(len(c.token_ids) for c in output.outputs)
     response = {
@@ -159,6 +163,7 @@ class ChatStream:
                        "created": int(time.time()), "model": ctx.answer_model(request.model)}
         self.texts = TokenTexts(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
         self.num_completion_tokens = 0
+        self.routing = StreamedRouting(request.routed_experts_prompt_start)
         options = request.stream_options
         self.include_usage = bool(options and options.include_usage)
         self.continuous_usage = bool(options and options.continuous_usage_stats)
@@ -168,6 +173,7 @@ class ChatStream:
             first = True
             async for _, output in generation:
                 self.num_cached_tokens = output.num_cached_tokens or self.num_cached_tokens
+                self.routing.see(0, output)
                 if first:
                     self.prompt, first = as_run(self.ctx, self.prompt, output), False
                     for j in range(self.params.n):
@@ -183,8 +189,9 @@ class ChatStream:
 
     def _first_chunk(self, j: int) -> dict:
         delta = {"role": ROLE, "content": _echo_prefix(self.request)}
-        chunk = {**self.header, "choices": [
-            {"index": j, "delta": delta, "logprobs": None, "finish_reason": None}]}
+        choice = {"index": j, "delta": delta, "logprobs": None, "finish_reason": None}
+        self.routing.add(choice, 0, j, None)  # the prompt's rows
+        chunk = {**self.header, "choices": [choice]}
         if j == 0 and self.request.return_token_ids:
             chunk["prompt_token_ids"] = self.prompt.token_ids
         if j == 0 and self.request.return_prompt_text:
@@ -193,13 +200,14 @@ class ChatStream:
 
     def _chunk(self, completion: CompletionOutput) -> dict | None:
         """The chunk of one sample's news; None when parsing held all of its text back and it
-        carries nothing else."""
+        carries nothing else (routed experts included)."""
         self.num_completion_tokens += len(completion.token_ids)
         delta = self._delta(completion)
         reason = finish_reason(completion.finish_reason,
                                self.num_tool_calls[completion.index] > 0)
+        rows = completion.routed_experts
         if not (delta or reason or self.request.logprobs or self.request.return_token_ids
-                or self.continuous_usage):
+                or self.continuous_usage or (rows is not None and rows.shape[0])):
             return None
         choice = {"index": completion.index, "delta": delta,
                   "logprobs": None if not self.request.logprobs else chat_logprobs(
@@ -209,6 +217,7 @@ class ChatStream:
                   "stop_reason": completion.stop_reason}
         if self.request.return_token_ids:
             choice["token_ids"] = completion.token_ids
+        self.routing.add(choice, 0, completion.index, rows)
         chunk = {**self.header, "choices": [choice]}
         if self.continuous_usage:
             chunk["usage"] = self._usage()

@@ -1,7 +1,7 @@
 """`POST /v1/completions`: text or token-id prompts, one or a list, answered as `vllm serve`
 answers them: choices prompt-major (prompt i's sample j at index i * n + j), `token_ids` and
 `prompt_token_ids` with `return_token_ids`, logprobs in the completions form, `prompt_logprobs`,
-`echo`, and server-sent events with `stream`."""
+`echo`, `routed_experts` (routing_json.py), and server-sent events with `stream`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from rollout_engine.server.http.logprobs import (
     completion_logprobs,
     prompt_logprobs_json,
 )
+from rollout_engine.server.http.routing_json import StreamedRouting, choice_routed_experts
 from rollout_engine.server.http.sampling import completion_params
 from rollout_engine.server.http.sse import EventStreamResponse, event
 
@@ -93,6 +94,8 @@ def completion_response(ctx: ServingContext, request: CompletionRequest, respons
         for completion in output.outputs:
             choice = _choice(ctx, request, prompt, completion, output.prompt_logprobs, texts)
             choice["index"] = len(choices)
+            choice["routed_experts"] = choice_routed_experts(
+                output, completion.routed_experts, request.routed_experts_prompt_start)
             choices.append(choice)
     echo_only = request.echo and request.max_tokens == 0  # its one token is dropped
     num_generated = 0 if echo_only else sum(
@@ -187,6 +190,7 @@ class CompletionStream:
         """Per (prompt, sample) that has streamed: its tokens so far, for usage."""
         self.text_offsets: dict[tuple[int, int], int] = {}
         self.prompt_logprobs: dict[int, list[TopLogprobs | None]] = {}
+        self.routing = StreamedRouting(request.routed_experts_prompt_start)
         options = request.stream_options
         self.include_usage = bool(options and options.include_usage)
         self.continuous_usage = bool(options and options.continuous_usage_stats)
@@ -200,6 +204,7 @@ class CompletionStream:
                     self.num_cached[i] = output.num_cached_tokens
                 if output.prompt_logprobs is not None:
                     self.prompt_logprobs[i] = output.prompt_logprobs
+                self.routing.see(i, output)
                 for completion in output.outputs:
                     yield event(self._chunk(i, completion))
             if self.include_usage:
@@ -233,6 +238,7 @@ class CompletionStream:
             choice["token_ids"] = completion.token_ids
             if first:
                 choice["prompt_token_ids"] = prompt.token_ids
+        self.routing.add(choice, i, key, completion.routed_experts)
         chunk = {**self.header, "choices": [choice]}
         if self.continuous_usage:
             chunk["usage"] = self._usage()
