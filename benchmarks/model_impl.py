@@ -7,14 +7,17 @@
    latter is what the backend itself costs (HF's modules, our attention through
    `AttentionInterface`).
 2. A Qwen3-MoE checkpoint of the same width (8 experts, 2 per token) through the backend
-   against Hugging Face `generate` (one left-padded batch, `num_return_sequences=n`: TRL's
-   default path), and with `enable_return_routed_experts` (R3: what recording the routing
-   costs).
+   (its experts on our grouped kernel) against Hugging Face `generate` (one left-padded batch,
+   `num_return_sequences=n`: TRL's default path), against the backend with its weights
+   unpacked (the experts on transformers' `grouped_mm`), against vLLM's CPU build when `make
+   peers` installed it (eager), and with `enable_return_routed_experts` (R3: what recording
+   the routing costs).
 
 EOS is ignored, so every system generates the same number of tokens.
 
     python -m benchmarks.model_impl --threads 2
     python -m benchmarks.model_impl --num-prompts 4 --max-tokens 32   # a quicker look
+    python -m benchmarks.model_impl --threads 2 --only moe
 """
 
 from __future__ import annotations
@@ -26,7 +29,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import add_grpo_workload_args, left_padded, make_prompts
+from benchmarks.common import (
+    add_grpo_workload_args,
+    left_padded,
+    make_prompts,
+    run_vllm,
+    vllm_available,
+    vllm_missing_note,
+)
 from rollout_engine import LLM, SamplingParams
 from rollout_engine.tiny_model import SIZES, build_tiny_model, make_config, write_model_dir
 
@@ -38,6 +48,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--size", default="small", help="size preset of the built models")
     parser.add_argument("--threads", type=int, help="OpenMP threads of every system")
     parser.add_argument("--num-experts", type=int, default=8)
+    parser.add_argument("--only", choices=["dense", "moe"], help="run one of the two parts")
     return parser.parse_args()
 
 
@@ -88,41 +99,66 @@ def time_hf_generate(model_dir: Path, prompts, args) -> tuple[float, int]:
     return elapsed, (out.shape[1] - input_ids.shape[1]) * out.shape[0]
 
 
+Row = tuple[str, str, float, int, str]
+
+
+def dense_rows(root: Path, args: argparse.Namespace) -> list[Row]:
+    rows: list[Row] = []
+    for arch in ("llama", "qwen3"):
+        model_dir = build_tiny_model(root / arch, arch, args.size)
+        prompts = make_prompts(args, SIZES[args.size]["vocab_size"])
+        runs = {
+            "native (packed linears)": time_engine(model_dir, prompts, args),
+            "native (F.linear)": time_engine(model_dir, prompts, args,
+                                             cpu_packed_weights=False),
+            "transformers backend": time_engine(model_dir, prompts, args,
+                                                model_impl="transformers"),
+        }
+        backend_tps = runs["transformers backend"][1] / runs["transformers backend"][0]
+        for system, (elapsed, tokens) in runs.items():
+            ratio = backend_tps / (tokens / elapsed)
+            rows.append((arch, system, elapsed, tokens, f"{ratio:.2f}x"))
+            print(f"{arch}: {system}: {elapsed:.1f} s", flush=True)
+    return rows
+
+
+def moe_rows(root: Path, args: argparse.Namespace) -> list[Row]:
+    moe_dir = moe_model_dir(root, args)
+    prompts = make_prompts(args, SIZES[args.size]["vocab_size"])
+    runs = {"transformers backend": time_engine(moe_dir, prompts, args)}
+    print(f"qwen3_moe: transformers backend: {runs['transformers backend'][0]:.1f} s", flush=True)
+    runs["returning routed experts (R3)"] = time_engine(moe_dir, prompts, args,
+                                                        enable_return_routed_experts=True)
+    runs["unpacked (experts on grouped_mm)"] = time_engine(moe_dir, prompts, args,
+                                                           cpu_packed_weights=False)
+    runs["HF generate (padded)"] = time_hf_generate(moe_dir, prompts, args)
+    if vllm_available():
+        result = run_vllm(str(moe_dir), prompts, n=args.n, max_tokens=args.max_tokens,
+                          max_model_len=args.max_prompt_len + args.max_tokens + 16,
+                          max_num_batched_tokens=4096, threads=args.threads,
+                          enforce_eager=True)
+        runs[f"vLLM {result['version']} CPU (eager)"] = (result["elapsed_s"][0],
+                                                         result["num_tokens"])
+    else:
+        print(vllm_missing_note())
+    ours_tps = runs["transformers backend"][1] / runs["transformers backend"][0]
+    rows: list[Row] = []
+    for system, (elapsed, tokens) in runs.items():
+        rows.append(("qwen3_moe", system, elapsed, tokens, f"{ours_tps / (tokens / elapsed):.2f}x"))
+        print(f"qwen3_moe: {system}: {elapsed:.1f} s", flush=True)
+    return rows
+
+
 def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows: list[tuple[str, str, float, int, str]] = []
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        for arch in ("llama", "qwen3"):
-            model_dir = build_tiny_model(root / arch, arch, args.size)
-            prompts = make_prompts(args, SIZES[args.size]["vocab_size"])
-            runs = {
-                "native (packed linears)": time_engine(model_dir, prompts, args),
-                "native (F.linear)": time_engine(model_dir, prompts, args,
-                                                 cpu_packed_weights=False),
-                "transformers backend": time_engine(model_dir, prompts, args,
-                                                    model_impl="transformers"),
-            }
-            backend_tps = runs["transformers backend"][1] / runs["transformers backend"][0]
-            for system, (elapsed, tokens) in runs.items():
-                ratio = backend_tps / (tokens / elapsed)
-                rows.append((arch, system, elapsed, tokens, f"{ratio:.2f}x"))
-                print(f"{arch}: {system}: {elapsed:.1f} s", flush=True)
-        moe_dir = moe_model_dir(root, args)
-        prompts = make_prompts(args, SIZES[args.size]["vocab_size"])
-        ours = time_engine(moe_dir, prompts, args)
-        print(f"qwen3_moe: transformers backend: {ours[0]:.1f} s", flush=True)
-        routed = time_engine(moe_dir, prompts, args, enable_return_routed_experts=True)
-        print(f"qwen3_moe: returning routed experts: {routed[0]:.1f} s", flush=True)
-        hf = time_hf_generate(moe_dir, prompts, args)
-        print(f"qwen3_moe: HF generate: {hf[0]:.1f} s", flush=True)
-        ours_tps = ours[1] / ours[0]
-        rows.append(("qwen3_moe", "transformers backend", *ours, "1.00x"))
-        rows.append(("qwen3_moe", "returning routed experts (R3)", *routed,
-                     f"{ours_tps / (routed[1] / routed[0]):.2f}x"))
-        rows.append(("qwen3_moe", "HF generate (padded)", *hf, f"{ours_tps / (hf[1] / hf[0]):.2f}x"))
+        if args.only != "moe":
+            rows += dense_rows(Path(tmp), args)
+        if args.only != "dense":
+            rows += moe_rows(Path(tmp), args)
     print(f"\nworkload: {args.num_prompts} prompts x n={args.n}, prompt lengths "
           f"{args.min_prompt_len}-{args.max_prompt_len}, {args.max_tokens} new tokens, "
           f"{args.size}, threads: {torch.get_num_threads()}\n")
