@@ -21,6 +21,7 @@ from rollout_engine.protocol import (
     LoadedLoRA,
     RequestOutput,
     RoutedExperts,
+    SamplingMask,
     SamplingParams,
     TopLogprobs,
     error_from_status,
@@ -120,6 +121,9 @@ def apply_generate_response(snapshot: RequestOutput, message: pb.GenerateRespons
             output.top_logprobs = (output.top_logprobs or []) + [
                 from_message(e, TopLogprobs) for e in delta.top_logprobs
             ]
+        if delta.HasField("sampling_mask"):
+            output.sampling_mask = SamplingMask.concat(
+                [output.sampling_mask, from_message(delta.sampling_mask, SamplingMask)])
     for final in message.outputs:
         if final.index in by_index:
             snapshot.outputs.remove(by_index[final.index])

@@ -10,6 +10,7 @@ from typing import Literal
 import numpy as np
 
 from rollout_engine.parsing.messages import ParsedMessage
+from rollout_engine.protocol.sampling_mask import SamplingMask
 from rollout_engine.protocol.sampling_params import KVTransferParams
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -120,6 +121,9 @@ class CompletionOutput:
     """MoE models with `enable_return_routed_experts`, once finished: the experts each output
     token was routed to as the model read it, [num_output_tokens - 1, MoE layers, top_k] (the
     last token was never read)."""
+    sampling_mask: SamplingMask | None = None
+    """With `SamplingParams.return_sampling_mask`: per token of `token_ids`, the ids its
+    sampler's truncation kept (its support), to renormalise a trainer's logprobs over."""
     message: ParsedMessage | None = field(default=None, metadata={"wire": False})
     """`LLM.chat` with a tool or reasoning parser: the assistant message parsed from `text`
     (content, reasoning, tool calls), beside the raw token ids and logprobs. Not sent over

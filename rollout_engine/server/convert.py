@@ -151,6 +151,8 @@ def generate_response(request_id: str, output: RequestOutput, is_first: bool
                                    logprobs=completion.logprobs)
         for entry in completion.top_logprobs or ():
             to_message(entry, delta.top_logprobs.add())
+        if completion.sampling_mask is not None:
+            to_message(completion.sampling_mask, delta.sampling_mask)
     return message
 
 
