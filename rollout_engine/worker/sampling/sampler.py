@@ -15,7 +15,7 @@ j has seen the row's output and drafts[:j]), in this order:
    for rows with `logprobs_mode="raw_logprobs"`, under the model's raw `log_softmax(logits)`.
    Rows with `logprobs=k` also get, per returned token, its rank (1 + the number of tokens
    with a strictly larger logprob) and the k most likely tokens of that same distribution.
-5. Sampling masks (`sampling_mask`), for rows with `return_sampling_mask`: per returned
+5. Sampling masks (`sampling_support`), for rows with `return_sampling_mask`: per returned
    token, the ids its distribution (2 or 3) kept.
 
 Sampling is split in two so that a step waits for the device once: `Sampler.plan` runs on
@@ -65,7 +65,7 @@ from rollout_engine.worker.sampling.sampling_filters import (  # noqa: F401 (re-
     filter_hints,
     filter_logits,
 )
-from rollout_engine.worker.sampling.sampling_mask import (
+from rollout_engine.worker.sampling.sampling_support import (
     SamplingMaskPlan,
     attach_sampling_masks,
     plan_sampling_masks,

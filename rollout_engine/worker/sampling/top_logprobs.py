@@ -39,7 +39,7 @@ class PositionLogprobs:
     """[L, K] float32: their logprobs."""
     sampling_support: torch.Tensor | None = None
     """[M, V] bool, the sampled positions of rows with `return_sampling_mask`: the tokens each
-    one's distribution kept (`sampling_mask`)."""
+    one's distribution kept (`sampling_support`)."""
 
 
 def plan_top_logprobs(
