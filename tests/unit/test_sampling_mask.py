@@ -126,6 +126,19 @@ def test_rows_that_all_ask_and_batches_where_none_asks():
     assert all(r.sampling_masks is None for r in sampler(logits, plain))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_masks_match_cpu():
+    """On a GPU top-p sorts the whole vocabulary at once: the same supports."""
+    rows = [make_row(seed=s, return_sampling_mask=True, **kwargs)
+            for s, kwargs in enumerate([{"top_p": 0.9}, {"top_k": 50, "top_p": 0.5},
+                                        {"temperature": 0.0}, {"min_p": 0.05}])]
+    logits = random_logits(4, 4096, seed=6)
+    for cpu, cuda in zip(Sampler()(logits, rows), Sampler()(logits.cuda(), rows)):
+        assert cpu.token_ids == cuda.token_ids
+        assert [m.tolist() for m in cpu.sampling_masks] == [m.tolist() for m in cuda.sampling_masks]
+
+
 # ----------------------------------------------------------------------------- trainer
 def test_masked_logprobs_are_the_engines_processed_logprobs():
     vocab, temperature = 64, 0.7
