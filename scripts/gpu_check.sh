@@ -38,6 +38,7 @@ TEST_GROUPS=(
   "vmm memory backend|tests/unit/test_memory_cuda_backend.py"
   "triton kernels|tests/unit/test_kernels_triton.py tests/gpu/test_kernels_cuda.py"
   "engine parity bf16 fp32|tests/gpu/test_engine_cuda.py tests/unit/test_sampler.py tests/unit/test_sampler_surface.py"
+  "sampling masks|tests/unit/test_sampling_mask.py"
   "cuda-ipc transport|tests/e2e/test_grpc_cuda_ipc.py"
   "sleep-wake device memory|tests/gpu/test_sleep_wake_cuda.py"
   "cuda-graph parity|tests/gpu/test_cuda_graphs.py"

@@ -21,6 +21,7 @@ from rollout_engine.protocol import (
     LoadedLoRA,
     RequestOutput,
     RoutedExperts,
+    SamplingMask,
     SamplingParams,
     TopLogprobs,
     error_from_status,
@@ -122,6 +123,9 @@ def apply_generate_response(snapshot: RequestOutput, message: pb.GenerateRespons
             ]
         if delta.HasField("routed_experts"):
             output.routed_experts = _extended(output.routed_experts, delta.routed_experts)
+        if delta.HasField("sampling_mask"):
+            output.sampling_mask = SamplingMask.concat(
+                [output.sampling_mask, from_message(delta.sampling_mask, SamplingMask)])
     for final in message.outputs:
         if final.index in by_index:
             snapshot.outputs.remove(by_index[final.index])

@@ -63,6 +63,9 @@ class Request:
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[TopLogprobs] = []
         """With `SamplingParams.logprobs`: one entry per output token."""
+        self.output_sampling_masks: list[Sequence[int]] = []
+        """With `SamplingParams.return_sampling_mask`: one per output token, the ids its
+        distribution kept (int32 arrays)."""
         self.weight_versions: list[WeightVersionSpan] = []
         """Which weight version sampled which output tokens (spans over output indexes)."""
         self.prompt_logprobs_start = prompt_logprobs_start
@@ -183,6 +186,12 @@ class Request:
             self.output_logprobs.append(logprob)
         if top_logprobs is not None:
             self.output_top_logprobs.append(top_logprobs)
+
+    def append_sampling_masks(self, masks: list[Sequence[int]]) -> None:
+        """A landed step's masks, one per token it sampled: those of the tokens it committed
+        (the first ones; tokens after a stop were dropped, and so are their masks)."""
+        num_new = self.num_output_tokens - len(self.output_sampling_masks)
+        self.output_sampling_masks += masks[:num_new]
 
     def record_weight_version(self, version: int) -> None:
         """The output token just appended was sampled by weight version `version`."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rollout_engine.protocol import KVTransferParams, SamplingParams, TopLogprobs
@@ -127,6 +128,9 @@ class ModelRunnerOutput:
     """The fp32 logprob of each sampled token under the distribution sampled from."""
     top_logprobs: dict[str, list[TopLogprobs]] = field(default_factory=dict)
     """Requests with `SamplingParams.logprobs`: one entry per sampled token."""
+    sampling_masks: dict[str, list[Sequence[int]]] = field(default_factory=dict)
+    """Requests with `SamplingParams.return_sampling_mask`: per sampled token, the ids its
+    distribution kept (int32 arrays)."""
     prompt_logprobs: dict[str, tuple[int, list[TopLogprobs]]] = field(default_factory=dict)
     """Requests with prompt logprobs: (first prompt position, one entry per position from it)
     for the positions this step computed."""

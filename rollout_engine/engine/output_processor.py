@@ -22,6 +22,7 @@ from rollout_engine.protocol import (
     RequestOutput,
     RequestOutputKind,
     RoutedExperts,
+    SamplingMask,
     TopLogprobs,
 )
 
@@ -242,6 +243,8 @@ class OutputProcessor:
             kv_transfer_params=request.kv_transfer_handle,
             top_logprobs=(request.output_top_logprobs[first_token:]
                           if params.logprobs is not None else None),
+            sampling_mask=(SamplingMask.of(request.output_sampling_masks[first_token:])
+                           if params.return_sampling_mask else None),
             stop_str=request.stop_str,
             stop_token_id=request.stop_token_id,
             num_draft_tokens=request.num_draft_tokens,

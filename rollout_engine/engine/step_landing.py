@@ -69,6 +69,8 @@ class StepLander:
             raise error from landed.error
         tables = self._block_tables(landed.scheduler_output)
         updated = self.scheduler.update_from_output(landed.scheduler_output, landed.runner_output)
+        if landed.runner_output.sampling_masks:
+            _land_sampling_masks(updated, landed.runner_output.sampling_masks)
         if tables:
             self._read_routing(updated, tables)
         self._after_update(landed, updated)
@@ -140,3 +142,10 @@ class StepLander:
         self._end_prompts(group_ids)
         logger.warning("ending %d prompts whose constraint dead-ended", len(group_ids))
         return dead_end_error(dead_ended[0], group_ids, self._vocab_size)
+
+
+def _land_sampling_masks(updated: list[Request], masks: dict[str, list]) -> None:
+    """Each updated request's masks, one per token it committed (`return_sampling_mask`)."""
+    for request in updated:
+        if request.request_id in masks:
+            request.append_sampling_masks(masks[request.request_id])

@@ -50,6 +50,7 @@ from rollout_engine.protocol.outputs import (  # noqa: F401
     TopLogprobs,
     WeightVersionSpan,
 )
+from rollout_engine.protocol.sampling_mask import SamplingMask  # noqa: F401
 from rollout_engine.protocol.sampling_params import (  # noqa: F401
     FLOAT32_MAX,
     GREEDY_EPSILON,

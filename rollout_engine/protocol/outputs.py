@@ -10,6 +10,7 @@ from typing import Literal
 import numpy as np
 
 from rollout_engine.parsing.messages import ParsedMessage
+from rollout_engine.protocol.sampling_mask import SamplingMask
 from rollout_engine.protocol.sampling_params import KVTransferParams
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -121,6 +122,9 @@ class CompletionOutput:
     token was routed to as the model read it, [num_output_tokens - 1, MoE layers, top_k] (the
     last token was never read). In a streamed (DELTA) output: the rows new since the previous
     one (a token's row comes with the token after it); they add up to the finished one's."""
+    sampling_mask: SamplingMask | None = None
+    """With `SamplingParams.return_sampling_mask`: per token of `token_ids`, the ids its
+    sampler's truncation kept (its support), to renormalise a trainer's logprobs over."""
     message: ParsedMessage | None = field(default=None, metadata={"wire": False})
     """`LLM.chat` with a tool or reasoning parser: the assistant message parsed from `text`
     (content, reasoning, tool calls), beside the raw token ids and logprobs. Not sent over

@@ -219,6 +219,12 @@ class SamplingParams:
     to this many seconds (capped by the engine's `max_kv_keep_alive_s`) so the conversation's
     next turn, which extends these tokens, finds them even if the cache is busy. The hold ends
     early when that turn arrives, and yields to any request that needs the blocks. 0: none."""
+    return_sampling_mask: bool = False
+    """Return, per generated token, the ids the sampler's truncation kept
+    (`CompletionOutput.sampling_mask`): top-k, top-p, min-p and the masks of
+    `allowed_token_ids`, bad words and `structured_outputs`; for greedy rows the argmax alone.
+    A trainer renormalises its logprobs over them (`trainer_bridge.masked_logprobs`). Refused
+    when nothing truncates."""
 
     def __post_init__(self) -> None:
         self._check_stop()
@@ -231,6 +237,7 @@ class SamplingParams:
             f"max_tokens must be >= 1, got {self.max_tokens!r}",
         )
         self._check_filters()
+        self._check_sampling_mask()
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}",
@@ -280,6 +287,18 @@ class SamplingParams:
         _check_real("repetition_penalty", self.repetition_penalty,
                     f"in [{MIN_REPETITION_PENALTY:g}, {FLOAT32_MAX:g}]; 1 is off",
                     lambda p: MIN_REPETITION_PENALTY <= p <= FLOAT32_MAX)
+
+    def _check_sampling_mask(self) -> None:
+        """A sampling mask needs a truncation: without one every token is kept, and the mask
+        would be the whole vocabulary at every position (bad words and `min_tokens` alone
+        remove tokens at some positions only, so they do not count)."""
+        truncates = (self.is_greedy or self.top_k >= 1 or self.top_p < 1.0 or self.min_p > 0.0
+                     or self.allowed_token_ids is not None
+                     or self.structured_outputs is not None)
+        _check(not self.return_sampling_mask or truncates,
+               "return_sampling_mask needs a truncation of the vocabulary, and nothing truncates "
+               "it (top_k=-1, top_p=1, min_p=0, no allowed_token_ids or structured_outputs); "
+               "set top_k, top_p < 1 or min_p > 0, or leave return_sampling_mask off")
 
     def _check_stop(self) -> None:
         if isinstance(self.stop, str):

@@ -153,6 +153,8 @@ def generate_response(request_id: str, output: RequestOutput, is_first: bool
             to_message(entry, delta.top_logprobs.add())
         if completion.routed_experts is not None:
             to_message(completion.routed_experts, delta.routed_experts)
+        if completion.sampling_mask is not None:
+            to_message(completion.sampling_mask, delta.sampling_mask)
     return message
 
 

@@ -195,6 +195,8 @@ class ModelRunner:
             logprobs={rid: res.logprobs for rid, res in zip(request_ids, results)},
             top_logprobs={rid: res.top_logprobs for rid, res in zip(request_ids, results)
                           if res.top_logprobs is not None},
+            sampling_masks={rid: res.sampling_masks for rid, res in zip(request_ids, results)
+                            if res.sampling_masks is not None},
             prompt_logprobs=prompt_logprobs,
         )
 

@@ -23,6 +23,7 @@ from rollout_engine.protocol import (
     InternalError,
     InvalidRequestError,
     MemoryState,
+    SamplingMask,
     SamplingParams,
     ScoreOutput,
     SleepLevel,
@@ -45,6 +46,7 @@ WIRE_TYPES = [
     (TopLogprobs, pb.TopLogprobs),
     (ScoreOutput, pb.ScoreOutput),
     (WeightVersionSpan, pb.WeightVersionSpan),
+    (SamplingMask, pb.SamplingMask),
 ]
 TORCH_FREE_MODULES = [
     "rollout_engine",
@@ -66,6 +68,7 @@ _PROTO_SCALARS = {
     float: {_FD.TYPE_DOUBLE, _FD.TYPE_FLOAT},
     bool: {_FD.TYPE_BOOL},
     str: {_FD.TYPE_STRING},
+    bytes: {_FD.TYPE_BYTES},
 }
 
 

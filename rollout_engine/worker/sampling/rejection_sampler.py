@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rollout_engine.protocol import TopLogprobs
@@ -34,6 +35,9 @@ class SampleResult:
     top_logprobs: list[TopLogprobs] | None = None
     """With `SamplingParams.logprobs` set: one entry per returned token (the token, its
     logprob and rank, then the most likely tokens at its position); else None."""
+    sampling_masks: list[np.ndarray] | None = None
+    """With `SamplingParams.return_sampling_mask`: per returned token, the ids its
+    distribution kept (int32, increasing); else None."""
 
 
 # Tokens per block of the two-level inverse CDF below.

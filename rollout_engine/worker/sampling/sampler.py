@@ -15,6 +15,8 @@ j has seen the row's output and drafts[:j]), in this order:
    for rows with `logprobs_mode="raw_logprobs"`, under the model's raw `log_softmax(logits)`.
    Rows with `logprobs=k` also get, per returned token, its rank (1 + the number of tokens
    with a strictly larger logprob) and the k most likely tokens of that same distribution.
+5. Sampling masks (`sampling_support`), for rows with `return_sampling_mask`: per returned
+   token, the ids its distribution (2 or 3) kept.
 
 Sampling is split in two so that a step waits for the device once: `Sampler.plan` runs on
 the host before the forward and turns the rows' parameters into arrays (they travel to the
@@ -62,6 +64,12 @@ from rollout_engine.worker.sampling.sampling_filters import (  # noqa: F401 (re-
     filter_decisions,
     filter_hints,
     filter_logits,
+)
+from rollout_engine.worker.sampling.sampling_support import (
+    SamplingMaskPlan,
+    attach_sampling_masks,
+    plan_sampling_masks,
+    sampled_support,
 )
 from rollout_engine.worker.sampling.top_logprobs import (
     RAW_LOGPROBS,
@@ -122,6 +130,8 @@ class SamplingPlan:
     """L: positions of rows that ask for top logprobs (in position order)."""
     num_raw_positions: int = 0
     """R: positions of rows that report raw logprobs."""
+    sampling_masks: SamplingMaskPlan | None = None
+    """Which positions return sampling masks; None when no row asks."""
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
 
@@ -175,22 +185,23 @@ class Sampler:
                 assert all(0 <= d < vocab_size for d in row.draft_token_ids), (
                     f"draft ids {row.draft_token_ids} outside the vocabulary of {vocab_size}"
                 )
-        # The last two columns: whether a row uses logits processing, top or raw logprobs
-        # (plain rows pay these flag checks only).
+        # The last three columns: whether a row uses logits processing, top or raw logprobs,
+        # sampling masks (plain rows pay these flag checks only).
         columns = [
             (p.temperature, p.top_k, p.top_p, p.min_p, p.is_greedy,
              p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
              or p.frequency_penalty != 0.0 or p.min_tokens > row.first_output_index
              or p.allowed_token_ids is not None or bool(p.logit_bias or row.bad_words_token_ids),
-             p.logprobs is not None or p.logprobs_mode == RAW_LOGPROBS)
+             p.logprobs is not None or p.logprobs_mode == RAW_LOGPROBS,
+             p.return_sampling_mask)
             for row in rows
             for p in (row.params,)
         ]
-        temperature, top_k, top_p, min_p, greedy, processed, reports = (
+        temperature, top_k, top_p, min_p, greedy, processed, reports, masks = (
             np.array(column, dtype=dtype).reshape(num_rows)
             for column, dtype in zip(
-                zip(*columns) if columns else [()] * 7,
-                (np.float32, np.int64, np.float32, np.float32, bool, bool, bool),
+                zip(*columns) if columns else [()] * 8,
+                (np.float32, np.int64, np.float32, np.float32, bool, bool, bool, bool),
             )
         )
         # Each sampled row's stream: its own, else a fresh one from the default stream.
@@ -246,6 +257,8 @@ class Sampler:
             self._plan_processing(plan, rows, counts, np.flatnonzero(processed), vocab_size)
         if reports.any():
             plan_top_logprobs(plan, rows, counts, position_is_greedy, vocab_size)
+        if masks.any():
+            plan_sampling_masks(plan, masks, counts, position_is_greedy)
         return plan
 
     def _plan_processing(
@@ -276,7 +289,8 @@ class Sampler:
         token_ids: torch.Tensor, logprobs: PositionLogprobs, plan: SamplingPlan
     ) -> list[SampleResult]:
         """Bring a call's tokens, logprobs and top logprobs to the host in one copy (its one
-        sync); accept drafts; give each row that asks one `TopLogprobs` per returned token."""
+        sync); accept drafts; give each row that asks one `TopLogprobs` per returned token,
+        and one sampling mask (a second copy, only when a sampled row asks for masks)."""
         # Token ids and ranks are exact in float64.
         parts = [token_ids.double(), logprobs.logprobs.double()]
         if logprobs.ranks is not None:
@@ -291,6 +305,8 @@ class Sampler:
         )
         if logprobs.ranks is not None:
             attach_top_logprobs(results, on_host[2 * num_positions :], plan)
+        if plan.sampling_masks is not None:
+            attach_sampling_masks(results, logprobs.sampling_support, plan)
         return results
 
     def sample_positions(
@@ -338,6 +354,9 @@ class Sampler:
         reported = PositionLogprobs(logprobs)
         if plan.num_raw_positions or plan.num_top_positions:
             reported = reported_logprobs(raw_logits, parts, token_ids, logprobs, plan, tensors)
+        if plan.sampling_masks is not None and plan.sampling_masks.num_sampled:
+            reported.sampling_support = sampled_support(parts["sampled"][3],
+                                                        tensors.get("mask_sampled_rows"))
         if no_token is not None:
             token_ids = token_ids.masked_fill(no_token, NO_ALLOWED_TOKEN_ID)
             reported.logprobs = reported.logprobs.masked_fill(no_token, float("-inf"))

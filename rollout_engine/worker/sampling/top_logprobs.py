@@ -37,6 +37,9 @@ class PositionLogprobs:
     """[L, K] int64: the K most likely tokens, most likely first."""
     top_logprobs: torch.Tensor | None = None
     """[L, K] float32: their logprobs."""
+    sampling_support: torch.Tensor | None = None
+    """[M, V] bool, the sampled positions of rows with `return_sampling_mask`: the tokens each
+    one's distribution kept (`sampling_support`)."""
 
 
 def plan_top_logprobs(
