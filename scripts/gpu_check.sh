@@ -46,7 +46,8 @@ TEST_GROUPS=(
   "structured outputs|tests/gpu/test_structured_outputs_cuda.py"
   "kv transfer|tests/gpu/test_kv_transfer_cuda.py"
   "lora|tests/gpu/test_lora_cuda.py"
-  "moe and routed experts|tests/gpu/test_moe_cuda.py tests/gpu/test_routed_experts_cuda.py"
+  "moe experts|tests/gpu/test_moe_cuda.py"
+  "routed experts|tests/gpu/test_routed_experts_cuda.py tests/gpu/test_routing_replay_cuda.py"
 )
 
 SUMMARY=()

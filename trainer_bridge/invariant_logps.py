@@ -83,6 +83,26 @@ def per_token_logps_and_entropies(
             torch.stack(aux_losses).mean() if compute_aux_loss else None)
 
 
+class BatchInvariantLogps:
+    """GRPOTrainer mixin: with `self.batch_invariant` set, TRL's logprob and loss forwards run
+    through `per_token_logps_and_entropies` instead of its fused LM head."""
+
+    batch_invariant: bool = False
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           batch_size=None, compute_entropy=False,
+                                           compute_aux_loss=False, **multimodal):
+        if not self.batch_invariant:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                compute_aux_loss, **multimodal)
+        if any(value is not None for value in multimodal.values()):
+            raise ValueError("batch-invariant logprobs are for text-only models")
+        return per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                             self.temperature, batch_size, compute_entropy,
+                                             compute_aux_loss)
+
+
 _RECOMPUTE = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False,
                                context_fn=checkpoint_contexts)
 

@@ -44,15 +44,17 @@ from rollout_engine.protocol import (
     CompletionOutput,
     EngineError,
     InternalError,
+    RequestOutput,
     SamplingParams,
     SleepLevel,
     StructuredOutputsParams,
 )
 from trainer_bridge.client import EngineClient
 from trainer_bridge.colocate import Colocation, StreamedWeights
-from trainer_bridge.invariant_logps import check_batch_invariance, per_token_logps_and_entropies
+from trainer_bridge.invariant_logps import BatchInvariantLogps, check_batch_invariance
 from trainer_bridge.lora_sync import PolicyAdapter
 from trainer_bridge.trainer_weights import is_peft_model, is_sharded, iter_policy_weights
+from trainer_bridge.trl_routing import RoutingReplay
 
 if TYPE_CHECKING:
     from trainer_bridge.timeline import MemoryTimeline
@@ -190,6 +192,8 @@ class EngineGeneration:
         self.generate_timeout_s = generate_timeout_s
         self.last_weight_versions: set[int] = set()
         """Weight versions that produced the last rollout's completions."""
+        self.last_outputs: list[RequestOutput] = []
+        """The last rollout, as the engine returned it (routing replay reads its experts)."""
         self.kv_keep_alive_s = 0.0
         """Multi-turn (the trainer has tools or environments): each turn asks the engine to
         keep its KV for the next turn this long (`SamplingParams.kv_keep_alive_s`)."""
@@ -253,6 +257,7 @@ class EngineGeneration:
                 outputs = client.generate([p for p, _ in groups], params,
                                           timeout=self.generate_timeout_s, lora_name=lora_name)
         self.last_weight_versions = {c.weight_version for o in outputs for c in o.outputs}
+        self.last_outputs = outputs
         prompt_ids, completion_ids, logprobs, token_ids = [], [], [], []
         for output in outputs:
             for completion in output.outputs:
@@ -435,13 +440,14 @@ def _warn_on_precision_gap(args: Any, client: EngineClient) -> None:
                        "bf16" if args.bf16 else "fp16")
 
 
-class EngineGRPOTrainer(GRPOTrainer):
+class EngineGRPOTrainer(RoutingReplay, BatchInvariantLogps, GRPOTrainer):
     """`GRPOTrainer` that generates with the rollout engine at `engine` (a client or an
     address), in TRL's colocate choreography: wake the weights, push them, reset the prefix
     cache, wake the KV cache, generate (every turn), sleep(`sleep_level`) when the trainer's
     model next runs a forward, train. A PEFT (LoRA) policy on an engine serving with
     --enable-lora is synced unmerged: only the adapter each step (`lora_sync`; the base only
-    when the engine may not hold it, so sleep at level 1 to keep it)."""
+    when the engine may not hold it, so sleep at level 1 to keep it). `routing_replay`: a MoE
+    policy's forwards replay the experts the engine routed each token to (`trl_routing.py`)."""
 
     def __init__(
         self,
@@ -455,12 +461,15 @@ class EngineGRPOTrainer(GRPOTrainer):
         weight_dtype: torch.dtype | Literal["engine"] | None = None,
         batch_invariant: bool = False,
         lora_sync: bool | None = None,
+        routing_replay: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.batch_invariant = batch_invariant
         """TRL's logprob and loss forwards in batch-invariant mode (`invariant_logps.py`):
         needs, and is needed by, an engine serving with --batch-invariant."""
+        self.routing_replay = routing_replay
+        """Replay the engine's routed experts (needs --enable-return-routed-experts)."""
         self.engine_generation = attach_engine(
             self, engine, sleep_level=sleep_level, timeline=timeline,
             generate_timeout_s=generate_timeout_s, transport=transport, auth_token=auth_token,
@@ -468,25 +477,14 @@ class EngineGRPOTrainer(GRPOTrainer):
         )
         check_batch_invariance(batch_invariant, self.engine_generation.colocation.client,
                                self.args)
+        self.check_routing_replay_setup(self.engine_generation.colocation.client)
 
     def attach_engine(self, engine: EngineClient | str, auth_token: str | None = None) -> None:
         """Switch to another engine (e.g. a restarted one); it gets the weights first."""
         attach_engine(self, engine, auth_token=auth_token)
         check_batch_invariance(self.batch_invariant, self.engine_generation.colocation.client,
                                self.args)
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                           batch_size=None, compute_entropy=False,
-                                           compute_aux_loss=False, **multimodal):
-        if not self.batch_invariant:
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                compute_aux_loss, **multimodal)
-        if any(value is not None for value in multimodal.values()):
-            raise ValueError("batch-invariant logprobs are for text-only models")
-        return per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                             self.temperature, batch_size, compute_entropy,
-                                             compute_aux_loss)
+        self.check_routing_replay_setup(self.engine_generation.colocation.client)
 
     def sync_engine_weights(self) -> int:
         """Push the current weights now (e.g. after training, to serve the final policy);
