@@ -10,7 +10,7 @@
    (its experts on our grouped kernel) against Hugging Face `generate` (one left-padded batch,
    `num_return_sequences=n`: TRL's default path), against the backend with its weights
    unpacked (the experts on transformers' `grouped_mm`), against vLLM's CPU build when `make
-   peers` installed it (eager), and with `enable_return_routed_experts` (R3: what recording
+   peers` installed it (eager and compiled), and with `enable_return_routed_experts` (R3: what recording
    the routing costs).
 
 EOS is ignored, so every system generates the same number of tokens.
@@ -31,6 +31,7 @@ import torch
 
 from benchmarks.common import (
     add_grpo_workload_args,
+    add_vllm_modes_arg,
     left_padded,
     make_prompts,
     run_vllm,
@@ -49,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="OpenMP threads of every system")
     parser.add_argument("--num-experts", type=int, default=8)
     parser.add_argument("--only", choices=["dense", "moe"], help="run one of the two parts")
+    add_vllm_modes_arg(parser, default=["eager", "compiled"])
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each engine and vLLM workload (the best counts)")
     return parser.parse_args()
 
 
@@ -73,14 +77,18 @@ def moe_model_dir(root: Path, args: argparse.Namespace) -> Path:
 
 
 def time_engine(model_dir: Path, prompts, args, **options) -> tuple[float, int]:
+    """(seconds, tokens) of the engine's rollout: the best of `--repeats` runs."""
     llm = LLM(str(model_dir), cpu_threads=args.threads, **options)
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens,
                             ignore_eos=True, seed=args.seed)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up (kernels, packing)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    return elapsed, sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    runs = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        runs.append(time.perf_counter() - start)
+    llm.shutdown()
+    return min(runs), sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
 
 @torch.inference_mode()
@@ -133,12 +141,13 @@ def moe_rows(root: Path, args: argparse.Namespace) -> list[Row]:
                                                            cpu_packed_weights=False)
     runs["HF generate (padded)"] = time_hf_generate(moe_dir, prompts, args)
     if vllm_available():
-        result = run_vllm(str(moe_dir), prompts, n=args.n, max_tokens=args.max_tokens,
-                          max_model_len=args.max_prompt_len + args.max_tokens + 16,
-                          max_num_batched_tokens=4096, threads=args.threads,
-                          enforce_eager=True)
-        runs[f"vLLM {result['version']} CPU (eager)"] = (result["elapsed_s"][0],
-                                                         result["num_tokens"])
+        for mode in args.vllm_modes:
+            result = run_vllm(str(moe_dir), prompts, n=args.n, max_tokens=args.max_tokens,
+                              max_model_len=args.max_prompt_len + args.max_tokens + 16,
+                              max_num_batched_tokens=4096, threads=args.threads,
+                              enforce_eager=mode == "eager", repeats=args.repeats)
+            runs[f"vLLM {result['version']} CPU ({mode})"] = (min(result["elapsed_s"]),
+                                                              result["num_tokens"])
     else:
         print(vllm_missing_note())
     ours_tps = runs["transformers backend"][1] / runs["transformers backend"][0]
