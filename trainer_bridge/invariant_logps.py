@@ -1,4 +1,5 @@
-"""The trainer's logprobs in batch-invariant mode: bit for bit the engine's sampling logprobs.
+"""The trainer's logprobs as the engine computes them: bit for bit in batch-invariant mode, and
+renormalised over the engine's sampling supports when given (`trl_logps.SamplingMasks`).
 
 With `EngineGRPOTrainer(..., batch_invariant=True)` against an engine serving with
 `--batch-invariant`, TRL's logprob and loss forwards run here instead of its fused LM head:
@@ -17,6 +18,7 @@ the model in bfloat16 to train in bfloat16, and serve the engine in the same dty
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from typing import Any
@@ -57,14 +59,20 @@ def per_token_logps_and_entropies(
     batch_size: int | None = None,
     compute_entropy: bool = False,
     compute_aux_loss: bool = False,
+    *,
+    invariant: bool = True,
+    supports: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """TRL's `_get_per_token_logps_and_entropies` contract (logprobs of the last
-    `logits_to_keep` tokens, entropies, the MoE load-balancing loss), computed as the
-    batch-invariant engine computes its logprobs."""
+    `logits_to_keep` tokens, entropies, the MoE load-balancing loss), computed as the engine
+    computes its logprobs: in batch-invariant mode (`invariant`), and renormalised over each
+    token's sampling support when `supports` ([batch, logits_to_keep, max ids] int, -1 padded;
+    a row of -1: the whole vocabulary) is given."""
     batch_size = batch_size or input_ids.size(0)
-    recompute_in_the_mode(model)  # TRL switches checkpointing off and on around generation
+    if invariant:
+        recompute_in_the_mode(model)  # TRL switches checkpointing off and on around generation
     logps, entropies, aux_losses = [], [], []
-    with set_batch_invariant_mode():
+    with set_batch_invariant_mode() if invariant else contextlib.nullcontext():
         for start in range(0, input_ids.size(0), batch_size):
             ids = input_ids[start:start + batch_size]
             mask = attention_mask[start:start + batch_size]
@@ -73,34 +81,33 @@ def per_token_logps_and_entropies(
             outputs = model(input_ids=ids, attention_mask=mask, position_ids=positions,
                             use_cache=False, **extra)
             logits = outputs.logits[:, -logits_to_keep - 1:-1].float() / temperature
+            if supports is not None:
+                logits = _masked_to_support(logits, supports[start:start + batch_size],
+                                            ids[:, -logits_to_keep:])
             log_probs = torch.log_softmax(logits, -1)
             logps.append(log_probs.gather(-1, ids[:, -logits_to_keep:, None])[..., 0])
             if compute_entropy:
-                entropies.append(-(log_probs.exp() * log_probs).sum(-1))
+                entropies.append(-(log_probs.exp() * log_probs.clamp(min=-1e30)).sum(-1))
             if compute_aux_loss:
                 aux_losses.append(outputs.aux_loss)
     return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None,
             torch.stack(aux_losses).mean() if compute_aux_loss else None)
 
 
-class BatchInvariantLogps:
-    """GRPOTrainer mixin: with `self.batch_invariant` set, TRL's logprob and loss forwards run
-    through `per_token_logps_and_entropies` instead of its fused LM head."""
-
-    batch_invariant: bool = False
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                           batch_size=None, compute_entropy=False,
-                                           compute_aux_loss=False, **multimodal):
-        if not self.batch_invariant:
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                compute_aux_loss, **multimodal)
-        if any(value is not None for value in multimodal.values()):
-            raise ValueError("batch-invariant logprobs are for text-only models")
-        return per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                             self.temperature, batch_size, compute_entropy,
-                                             compute_aux_loss)
+def _masked_to_support(logits: torch.Tensor, supports: torch.Tensor,
+                       token_ids: torch.Tensor) -> torch.Tensor:
+    """logits [B, T, V] with -inf outside each position's support ([B, T, K] ids, -1 padded;
+    positions with no support keep every logit)."""
+    has_support = supports[..., 0] >= 0  # [B, T]
+    inside = (supports == token_ids[..., None]).any(-1)
+    if not bool((inside | ~has_support).all()):
+        raise ValueError("a completion token lies outside its sampling mask: the masks are not "
+                         "this batch's, or not aligned with its tokens")
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep.scatter_(-1, supports.clamp(min=0).long(), True)  # padding marks id 0: fixed below
+    keep[..., 0] &= (supports == 0).any(-1) | ~has_support
+    keep |= ~has_support[..., None]
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 _RECOMPUTE = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False,

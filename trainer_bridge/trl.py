@@ -41,9 +41,7 @@ import torch
 from trl import GRPOTrainer
 
 from rollout_engine.protocol import (
-    CompletionOutput,
     EngineError,
-    InternalError,
     RequestOutput,
     SamplingParams,
     SleepLevel,
@@ -51,9 +49,10 @@ from rollout_engine.protocol import (
 )
 from trainer_bridge.client import EngineClient
 from trainer_bridge.colocate import Colocation, StreamedWeights
-from trainer_bridge.invariant_logps import BatchInvariantLogps, check_batch_invariance
+from trainer_bridge.invariant_logps import check_batch_invariance
 from trainer_bridge.lora_sync import PolicyAdapter
 from trainer_bridge.trainer_weights import is_peft_model, is_sharded, iter_policy_weights
+from trainer_bridge.trl_logps import EngineLogps, SamplingMasks, token_logprobs
 from trainer_bridge.trl_routing import RoutingReplay
 
 if TYPE_CHECKING:
@@ -140,24 +139,6 @@ def _engine_kwargs(generation_kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def token_logprobs(completion: CompletionOutput) -> tuple[list[list[float]], list[list[int]]]:
-    """TRL's per-token (logprobs, logprob_token_ids) of a completion: the sampled token's
-    first (GRPOTrainer reads `[0]` as the sampled token's logprob), then, with
-    `SamplingParams.logprobs` set, the other top tokens, most likely first."""
-    token_ids, logprobs = completion.token_ids, completion.logprobs
-    if completion.top_logprobs is None:
-        return [[lp] for lp in logprobs], [[t] for t in token_ids]
-    if len(completion.top_logprobs) != len(token_ids):
-        raise InternalError(f"the engine returned {len(completion.top_logprobs)} top-logprob "
-                            f"entries for {len(token_ids)} tokens")
-    rows, id_rows = [], []
-    for token, logprob, top in zip(token_ids, logprobs, completion.top_logprobs):
-        others = [(t, lp) for t, lp in zip(top.token_ids[1:], top.logprobs[1:]) if t != token]
-        rows.append([logprob] + [lp for _, lp in others])
-        id_rows.append([token] + [t for t, _ in others])
-    return rows, id_rows
-
-
 class EngineGeneration:
     """TRL's generation-backend interface (`sync_weights`, `generate`) backed by an engine.
 
@@ -194,6 +175,8 @@ class EngineGeneration:
         """Weight versions that produced the last rollout's completions."""
         self.last_outputs: list[RequestOutput] = []
         """The last rollout, as the engine returned it (routing replay reads its experts)."""
+        self.return_sampling_mask = False
+        """Ask for each token's sampling support (`EngineGRPOTrainer(sampling_masks=True)`)."""
         self.kv_keep_alive_s = 0.0
         """Multi-turn (the trainer has tools or environments): each turn asks the engine to
         keep its KV for the next turn this long (`SamplingParams.kv_keep_alive_s`)."""
@@ -301,6 +284,7 @@ class EngineGeneration:
             "repetition_penalty": args.repetition_penalty,
             "max_tokens": max_tokens,
             "kv_keep_alive_s": self.kv_keep_alive_s,
+            "return_sampling_mask": self.return_sampling_mask,
         }
         fields.update(_engine_kwargs(args.generation_kwargs or {}))
         regex = getattr(args, "vllm_structured_outputs_regex", None)
@@ -440,14 +424,15 @@ def _warn_on_precision_gap(args: Any, client: EngineClient) -> None:
                        "bf16" if args.bf16 else "fp16")
 
 
-class EngineGRPOTrainer(RoutingReplay, BatchInvariantLogps, GRPOTrainer):
+class EngineGRPOTrainer(RoutingReplay, SamplingMasks, EngineLogps, GRPOTrainer):
     """`GRPOTrainer` that generates with the rollout engine at `engine` (a client or an
     address), in TRL's colocate choreography: wake the weights, push them, reset the prefix
     cache, wake the KV cache, generate (every turn), sleep(`sleep_level`) when the trainer's
     model next runs a forward, train. A PEFT (LoRA) policy on an engine serving with
     --enable-lora is synced unmerged: only the adapter each step (`lora_sync`; the base only
     when the engine may not hold it, so sleep at level 1 to keep it). `routing_replay`: a MoE
-    policy's forwards replay the experts the engine routed each token to (`trl_routing.py`)."""
+    policy's forwards replay the experts the engine routed each token to (`trl_routing.py`);
+    `sampling_masks`: every logprob is renormalised over the engine's supports (`trl_logps.py`)."""
 
     def __init__(
         self,
@@ -462,6 +447,7 @@ class EngineGRPOTrainer(RoutingReplay, BatchInvariantLogps, GRPOTrainer):
         batch_invariant: bool = False,
         lora_sync: bool | None = None,
         routing_replay: bool = False,
+        sampling_masks: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -470,6 +456,7 @@ class EngineGRPOTrainer(RoutingReplay, BatchInvariantLogps, GRPOTrainer):
         needs, and is needed by, an engine serving with --batch-invariant."""
         self.routing_replay = routing_replay
         """Replay the engine's routed experts (needs --enable-return-routed-experts)."""
+        self.sampling_masks = sampling_masks
         self.engine_generation = attach_engine(
             self, engine, sleep_level=sleep_level, timeline=timeline,
             generate_timeout_s=generate_timeout_s, transport=transport, auth_token=auth_token,
@@ -478,6 +465,7 @@ class EngineGRPOTrainer(RoutingReplay, BatchInvariantLogps, GRPOTrainer):
         check_batch_invariance(batch_invariant, self.engine_generation.colocation.client,
                                self.args)
         self.check_routing_replay_setup(self.engine_generation.colocation.client)
+        self.check_sampling_masks_setup()
 
     def attach_engine(self, engine: EngineClient | str, auth_token: str | None = None) -> None:
         """Switch to another engine (e.g. a restarted one); it gets the weights first."""

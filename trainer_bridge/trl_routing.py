@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from rollout_engine.protocol import RequestOutput
-from trainer_bridge.routing_replay import replay_routing, replayable_routers, routing_tensor
+from trainer_bridge.routing_replay import replayable_routers, routing_tensor
 
 ROUTING_KEY = "routed_experts"
 """The batch-dict key of a generation batch's routing."""
@@ -175,33 +175,16 @@ class RoutingReplay:
         finally:
             self._batch_routing = None
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                           batch_size=None, compute_entropy=False,
-                                           compute_aux_loss=False, **multimodal):
+    def batch_routing(self, input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor | None:
         routing = self._batch_routing
         if routing is None:
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                compute_aux_loss, **multimodal)
-        if any(value is not None for value in multimodal.values()):
-            raise ValueError("routing replay is for text-only models")
+            return super().batch_routing(input_ids, logits_to_keep)
         if isinstance(routing, _RolloutRouting):
             routing = routing.padded(input_ids.size(1) - logits_to_keep, logits_to_keep)
         if routing.shape[:2] != input_ids.shape:
             raise ValueError(f"the batch's routing is {tuple(routing.shape[:2])} tokens, its "
                              f"input_ids {tuple(input_ids.shape)}")
-        batch_size = batch_size or input_ids.size(0)
-        logps, entropies, aux_losses = [], [], []
-        for start in range(0, input_ids.size(0), batch_size):
-            rows = slice(start, start + batch_size)
-            with replay_routing(model, routing[rows]):
-                chunk = super()._get_per_token_logps_and_entropies(
-                    model, input_ids[rows], attention_mask[rows], logits_to_keep, None,
-                    compute_entropy, compute_aux_loss)
-            for results, result in zip((logps, entropies, aux_losses), chunk):
-                results.append(result)
-        return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None,
-                torch.stack(aux_losses).mean() if compute_aux_loss else None)
+        return routing
 
 
 class _RolloutRouting:

@@ -27,7 +27,7 @@ from trainer_bridge import (
 )
 from trainer_bridge.engine_pool import EnginePool
 from trainer_bridge.server_process import EngineServer
-from trainer_bridge.trl import token_logprobs
+from trainer_bridge.trl_logps import token_logprobs
 
 ATOL = 1e-5  # fp32 logprobs
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13]

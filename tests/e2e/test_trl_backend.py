@@ -62,6 +62,7 @@ def make_trainer(
     weight_dtype=None,
     sleep_level=2,
     lora_sync=None,
+    sampling_masks=False,
     **config,
 ) -> EngineGRPOTrainer:
     """A GRPO trainer on the tiny model; `config` overrides GRPOConfig fields."""
@@ -77,6 +78,7 @@ def make_trainer(
         processing_class=AutoTokenizer.from_pretrained(model_dir), engine=client,
         generate_timeout_s=60, peft_config=peft_config, rollout_func=rollout_func,
         weight_dtype=weight_dtype, sleep_level=sleep_level, lora_sync=lora_sync,
+        sampling_masks=sampling_masks,
     )
 
 
