@@ -107,3 +107,20 @@ def test_prefix_hits_and_preemption_return_the_real_experts(moe_dir):
 def test_a_dense_model_is_refused(llama_dir):
     with pytest.raises(ModelLoadError, match="mixture-of-experts"):
         LLM(str(llama_dir), enable_return_routed_experts=True, model_impl="transformers")
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param({"async_scheduling": True}, id="async-scheduling"),
+    pytest.param({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                         "prompt_lookup_max": 2}}, id="ngram-drafts"),
+])
+def test_async_scheduling_and_drafts_return_the_real_experts(moe_dir, options):
+    repetitive = [[5, 17, 99, 5, 17, 99, 5, 17, 99, 5], [3, 14, 3, 14, 3, 14, 3]]
+    reference = LLM(str(moe_dir), enable_return_routed_experts=True).generate(repetitive, PARAMS)
+    llm = LLM(str(moe_dir), enable_return_routed_experts=True, **options)
+    outputs = llm.generate(repetitive, PARAMS)
+    if "speculative_config" in options:
+        assert sum(c.num_draft_tokens for o in outputs for c in o.outputs) > 0
+    for expected, other in zip(reference, outputs):
+        assert other.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert np.array_equal(routing_of(other), routing_of(expected))
