@@ -192,12 +192,12 @@ class RoutedExperts(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SamplingMask(_message.Message):
-    __slots__ = ("counts", "token_ids")
+    __slots__ = ("counts", "flat_token_ids")
     COUNTS_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FLAT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     counts: _containers.RepeatedScalarFieldContainer[int]
-    token_ids: bytes
-    def __init__(self, counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
+    flat_token_ids: bytes
+    def __init__(self, counts: _Optional[_Iterable[int]] = ..., flat_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class WeightVersionSpan(_message.Message):
     __slots__ = ("version", "start", "end", "lora_version")

@@ -323,6 +323,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--enable-return-routed-experts", action="store_true", default=None,
                         help="MoE models: return the experts each token was routed to "
                         "(routing replay in the trainer)")
+    engine.add_argument("--return-sampling-mask", action="store_true", default=None,
+                        help="every request returns its sampling masks (the ids top-k, top-p "
+                        "or min-p kept per token)")
     engine.add_argument("--speculative-config", type=_speculative_config,
                         help='JSON, vLLM\'s: {"method": "ngram" | "suffix", '
                         '"num_speculative_tokens": k, ...} (suffix: drafts from earlier '
@@ -377,7 +380,7 @@ _SERVE_ENGINE_OPTIONS = (
     "async_scheduling", "kv_role", "kv_peer", "kv_transport", "kv_transfer_timeout_s",
     "kv_handle_ttl_s", "tensor_parallel_size", "distributed_timeout_s", "enable_lora",
     "max_loras", "max_lora_rank", "max_cpu_loras", "speculative_config",
-    "enable_return_routed_experts",
+    "enable_return_routed_experts", "return_sampling_mask",
 )
 
 

@@ -65,6 +65,9 @@ class ModelConfig:
     """MoE models (vLLM's name): return the experts each token was routed to
     (`CompletionOutput.routed_experts`, `RequestOutput.prompt_routed_experts`), kept beside
     the KV so that prefix-cache hits and recomputed tokens report them too."""
+    return_sampling_mask: bool = False
+    """vLLM's engine-wide switch: every request returns its sampling masks, as if its
+    `SamplingParams.return_sampling_mask` were set (one that truncates nothing is refused)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model must be a model directory path")
@@ -72,14 +75,10 @@ class ModelConfig:
                  f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         _require(self.model_impl in MODEL_IMPLS,
                  f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
-        _require(
-            not self.batch_invariant or (self.device == "cpu" and not self.cuda_graphs),
-            "batch_invariant runs on the CPU (without CUDA graphs) so far",
-        )
-        _require(
-            self.cpu_threads is None or self.cpu_threads >= 1,
-            f"cpu_threads must be >= 1 or None, got {self.cpu_threads}",
-        )
+        _require(not self.batch_invariant or (self.device == "cpu" and not self.cuda_graphs),
+                 "batch_invariant runs on the CPU (without CUDA graphs) so far")
+        _require(self.cpu_threads is None or self.cpu_threads >= 1,
+                 f"cpu_threads must be >= 1 or None, got {self.cpu_threads}")
 
 
 @dataclass(frozen=True)

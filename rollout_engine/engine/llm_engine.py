@@ -145,6 +145,10 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not self.scheduler.is_paused:  # paused: it queues for the resume, even mid-update
             self.worker.check_ready()
+        if (self.config.model_config.return_sampling_mask
+                and isinstance(sampling_params, SamplingParams)
+                and not sampling_params.return_sampling_mask):
+            sampling_params = dataclasses.replace(sampling_params, return_sampling_mask=True)
         spec = self.processor.process(request_id, prompt, sampling_params, output_kind,
                                       prompt_logprobs_from, self.kv_connector)
         if lora_request is not None:

@@ -13,12 +13,17 @@ import numpy as np
 class SamplingMask:
     """Per generated token, the ids that survived the sampler's truncation (top-k, top-p,
     min-p, and the masks of `allowed_token_ids`, bad words and grammars), in increasing id
-    order: `counts[i]` ids for token i, all of them back to back in `token_ids` (int32
-    little-endian bytes), in process and over gRPC alike. A greedy token's support is the
-    token alone."""
+    order: `counts[i]` ids for token i, all of them back to back in `flat_token_ids` (int32
+    little-endian bytes), in process and over gRPC alike; `token_ids` gives them as vLLM's
+    list of lists. A greedy token's support is the token alone."""
 
     counts: list[int]
-    token_ids: bytes
+    flat_token_ids: bytes
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        """vLLM's form: `token_ids[i]`, the ids generated token i could have been."""
+        return self.to_lists()
 
     @classmethod
     def of(cls, id_lists: Iterable[Sequence[int] | np.ndarray]) -> SamplingMask:
@@ -31,7 +36,7 @@ class SamplingMask:
     def concat(cls, masks: Iterable[SamplingMask | None]) -> SamplingMask:
         """The masks of consecutive tokens as one (a stream's deltas; None adds nothing)."""
         masks = [m for m in masks if m is not None]
-        return cls([c for m in masks for c in m.counts], b"".join(m.token_ids for m in masks))
+        return cls([c for m in masks for c in m.counts], b"".join(m.flat_token_ids for m in masks))
 
     def __len__(self) -> int:
         """The number of tokens it covers."""
@@ -40,7 +45,7 @@ class SamplingMask:
     def to_numpy(self) -> np.ndarray:
         """Every token's ids back to back, [sum(counts)] int32; token i's are
         `np.split(ids, np.cumsum(counts)[:-1])[i]`."""
-        return np.frombuffer(self.token_ids, dtype="<i4")
+        return np.frombuffer(self.flat_token_ids, dtype="<i4")
 
     def to_lists(self) -> list[list[int]]:
         """One list of ids per token."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rollout_engine import LLM, SamplingParams
+from rollout_engine.protocol import InvalidRequestError
 from tests.integration.hf_oracle import hf_greedy, load_hf_model
 from tests.integration.test_spec_decode import repetitive_prompts
 from tests.unit.test_sampler import reference_filter
@@ -105,3 +106,18 @@ def test_speculative_decoding_returns_the_masks_of_decoding_without_it(llama_dir
         for x, y in zip(a.outputs, b.outputs):
             assert y.token_ids == x.token_ids
             assert y.sampling_mask == x.sampling_mask
+
+
+def test_the_engine_wide_switch_gives_every_request_its_masks(model_dir, llm):
+    """vLLM's `LLM(..., return_sampling_mask=True)`: no request needs to ask."""
+    asked = llm.generate(PROMPTS, sampled(top_k=7))
+    everyone = LLM(model_dir, return_sampling_mask=True, **ENGINE_OPTIONS)
+    outputs = everyone.generate(PROMPTS, sampled(top_k=7, return_sampling_mask=False))
+    for expected, output in zip(asked, outputs):
+        for x, y in zip(expected.outputs, output.outputs):
+            assert y.token_ids == x.token_ids and y.sampling_mask == x.sampling_mask
+            assert y.sampling_mask.token_ids == y.sampling_mask.to_lists()  # vLLM's lists
+            assert all(len(ids) == 7 for ids in y.sampling_mask.token_ids)
+    with pytest.raises(InvalidRequestError, match="nothing truncates"):
+        everyone.generate(PROMPTS, SamplingParams(max_tokens=2))
+    assert everyone.generate(PROMPTS[:1], sampled(top_p=0.5))[0].outputs[0].sampling_mask

@@ -38,7 +38,7 @@ IDS = [[3, 7, 9], [1], [], [0, 511]]
 def test_a_mask_holds_each_tokens_ids_compactly_and_gives_them_back():
     mask = SamplingMask.of([IDS[0], np.array(IDS[1]), IDS[2], IDS[3]])
     assert mask.counts == [3, 1, 0, 2] and len(mask) == 4
-    assert mask.token_ids == np.array([3, 7, 9, 1, 0, 511], dtype="<i4").tobytes()
+    assert mask.flat_token_ids == np.array([3, 7, 9, 1, 0, 511], dtype="<i4").tobytes()
     assert mask.to_lists() == IDS
     assert mask.to_numpy().dtype == np.int32 and mask.to_numpy().tolist() == [3, 7, 9, 1, 0, 511]
     parts = SamplingMask.concat([SamplingMask.of(IDS[:1]), None, SamplingMask.of(IDS[1:])])
@@ -60,7 +60,7 @@ def test_a_mask_travels_in_completions_and_stream_deltas():
     for i, step in enumerate(steps):
         message = generate_response("g", RequestOutput("g", [1, 2], [step]), i == 0)
         assert SamplingMask(list(message.deltas[0].sampling_mask.counts),
-                            message.deltas[0].sampling_mask.token_ids) == step.sampling_mask
+                            message.deltas[0].sampling_mask.flat_token_ids) == step.sampling_mask
         apply_generate_response(snapshot, message)
     assert snapshot.outputs[0].sampling_mask == SamplingMask.of(IDS[:3])
     plain = generate_response("g", RequestOutput("g", [1], [CompletionOutput(0, [3], [-1])]), True)
@@ -169,3 +169,13 @@ def test_masked_logprobs_refuse_a_mask_that_is_not_the_completions():
         masked_logprobs(logits, [3, 4], SamplingMask.of([[3]]))
     with pytest.raises(ValueError, match="vocabulary of 16"):
         support_mask(SamplingMask.of([[3, 16]]), 16)
+
+
+def test_serve_takes_vllms_engine_wide_switch():
+    from rollout_engine import cli
+    from rollout_engine.config import EngineConfig
+
+    args = cli.build_parser().parse_args(["serve", "--model", "m", "--return-sampling-mask"])
+    options = {k: getattr(args, k) for k in cli._SERVE_ENGINE_OPTIONS
+               if getattr(args, k) is not None}
+    assert EngineConfig.from_kwargs("m", **options).model_config.return_sampling_mask
