@@ -5,7 +5,8 @@ A GRPO batch (8 prompts x n=8 = 64 sequences by default, `small` preset, T=1, EO
 every mode generates the same number of tokens) sampled plainly, then with (a) stop strings
 that do not occur (every step detokenizes and searches, nothing stops), (b) presence,
 frequency and repetition penalties, (c) the top-20 logprobs of every position, (d) all of them
-together. Modes alternate over `--repeats` rounds and each keeps its best round; the prefix
+together; and (e) top-k 50, (f) the same returning each token's sampling mask (what the masks
+cost is (f) against (e)). Modes alternate over `--repeats` rounds and each keeps its best round; the prefix
 cache is reset before every run, so each one prefills its prompts.
 
 Then `score`: the logprobs of the plain run's 64 completions given their prompts, against what
@@ -39,6 +40,8 @@ MODES: dict[str, dict] = {
     "(c) top-20 logprobs": {"logprobs": 20},
 }
 MODES["(d) all together"] = {k: v for fields in MODES.values() for k, v in fields.items()}
+MODES["(e) top-k 50"] = {"top_k": 50}
+MODES["(f) top-k 50 + sampling masks"] = {"top_k": 50, "return_sampling_mask": True}
 
 
 def parse_args() -> argparse.Namespace:
