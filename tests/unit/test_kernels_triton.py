@@ -263,7 +263,7 @@ def compile_for_hopper() -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import triton_kv_store, triton_lora, triton_paged_attention
+    from kernels import triton_kv_store, triton_lora, triton_moe, triton_paged_attention
     from kernels.triton_utils import next_power_of_2
 
     target = GPUTarget("cuda", 90, 32)
@@ -315,6 +315,16 @@ def compile_for_hopper() -> list[str]:
           {"BLOCK_R": 128, "BLOCK_K": triton_lora._BLOCK_K})
     build(expand, {"bt_ptr": "*bf16", "out_ptr": "*bf16"} | indexes,
           {"BLOCK_RANK": 64, "BLOCK_N": 128})
+    # Fused MoE over bf16 experts, decode- and prefill-sized blocks (tensor-core dots).
+    blocks = {"pair_ids_ptr": "*i32", "block_experts_ptr": "*i32"}
+    for block_m in (16, 64):
+        tiles = {"BLOCK_M": block_m, "BLOCK_N": triton_moe._BLOCK_N,
+                 "BLOCK_K": triton_moe._BLOCK_K, "UPCAST": False, "DOT_PRECISION": "tf32"}
+        build(triton_moe._gate_up_kernel,
+              {"x_ptr": "*bf16", "w_ptr": "*bf16", "inter_ptr": "*bf16"} | blocks, tiles)
+        build(triton_moe._down_kernel, {"inter_ptr": "*bf16", "w_ptr": "*bf16",
+                                        "weights_ptr": "*bf16", "out_ptr": "*fp32"} | blocks,
+              tiles)
     return compiled
 
 
@@ -332,4 +342,5 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == (["_paged_attention_kernel"] * 5
                                      + ["_merge_splits_kernel"] * 2 + ["_store_kv_kernel",
-                                     "_lora_shrink_kernel", "_lora_expand_kernel"])
+                                     "_lora_shrink_kernel", "_lora_expand_kernel"]
+                                     + ["_gate_up_kernel", "_down_kernel"] * 2)
