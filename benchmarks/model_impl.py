@@ -50,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="OpenMP threads of every system")
     parser.add_argument("--num-experts", type=int, default=8)
     parser.add_argument("--only", choices=["dense", "moe"], help="run one of the two parts")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the dtype every system computes in")
     add_vllm_modes_arg(parser, default=["eager", "compiled"])
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each engine and vLLM workload (the best counts)")
@@ -78,7 +80,7 @@ def moe_model_dir(root: Path, args: argparse.Namespace) -> Path:
 
 def time_engine(model_dir: Path, prompts, args, **options) -> tuple[float, int]:
     """(seconds, tokens) of the engine's rollout: the best of `--repeats` runs."""
-    llm = LLM(str(model_dir), cpu_threads=args.threads, **options)
+    llm = LLM(str(model_dir), cpu_threads=args.threads, dtype=args.dtype, **options)
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens,
                             ignore_eos=True, seed=args.seed)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up (kernels, packing)
@@ -95,7 +97,8 @@ def time_engine(model_dir: Path, prompts, args, **options) -> tuple[float, int]:
 def time_hf_generate(model_dir: Path, prompts, args) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir),
+                                                 dtype=getattr(torch, args.dtype)).eval()
     input_ids, mask = left_padded(prompts)
     config = GenerationConfig(
         do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.max_tokens,
@@ -145,7 +148,8 @@ def moe_rows(root: Path, args: argparse.Namespace) -> list[Row]:
             result = run_vllm(str(moe_dir), prompts, n=args.n, max_tokens=args.max_tokens,
                               max_model_len=args.max_prompt_len + args.max_tokens + 16,
                               max_num_batched_tokens=4096, threads=args.threads,
-                              enforce_eager=mode == "eager", repeats=args.repeats)
+                              enforce_eager=mode == "eager", repeats=args.repeats,
+                              dtype=args.dtype)
             runs[f"vLLM {result['version']} CPU ({mode})"] = (min(result["elapsed_s"]),
                                                               result["num_tokens"])
     else:
@@ -168,7 +172,7 @@ def main() -> None:
             rows += dense_rows(Path(tmp), args)
         if args.only != "dense":
             rows += moe_rows(Path(tmp), args)
-    print(f"\nworkload: {args.num_prompts} prompts x n={args.n}, prompt lengths "
+    print(f"\nworkload ({args.dtype}): {args.num_prompts} prompts x n={args.n}, prompt lengths "
           f"{args.min_prompt_len}-{args.max_prompt_len}, {args.max_tokens} new tokens, "
           f"{args.size}, threads: {torch.get_num_threads()}\n")
     print("| model | system | time (s) | tokens | tokens/s | backend's speed against it |")
