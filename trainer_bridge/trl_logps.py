@@ -22,6 +22,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from rollout_engine.protocol import CompletionOutput, InternalError, RequestOutput
@@ -45,8 +46,13 @@ def outputs_supports(outputs: Sequence[RequestOutput], completion_width: int) ->
     max_ids = max((max(m.counts, default=0) for m in masks), default=0)
     supports = torch.full((len(masks), completion_width, max(max_ids, 1)), -1, dtype=torch.int32)
     for row, mask in enumerate(masks):
-        for position, ids in enumerate(mask.to_lists()[:completion_width]):
-            supports[row, position, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        counts = np.asarray(mask.counts[:completion_width], dtype=np.int64)  # [positions]
+        starts = np.cumsum(counts) - counts  # each position's first id in the flat ids
+        positions = np.repeat(np.arange(len(counts)), counts)  # [ids]: the position of each id
+        columns = np.arange(len(positions)) - np.repeat(starts, counts)  # [ids]: its column
+        ids = mask.to_numpy()[:len(positions)].astype(np.int32)
+        supports[row, torch.from_numpy(positions), torch.from_numpy(columns)] = (
+            torch.from_numpy(ids))
     return supports
 
 
@@ -153,8 +159,10 @@ class SamplingMasks:
         self._batch_supports = "rollout"
         try:
             output = super()._generate_and_score_completions(inputs)
-            supports = outputs_supports(self.vllm_generation.last_outputs,
-                                        output["completion_ids"].size(1))
+            width = output["completion_ids"].size(1)
+            supports = self._batch_supports  # laid out already if TRL computed old logprobs
+            if not (isinstance(supports, torch.Tensor) and supports.size(1) == width):
+                supports = outputs_supports(self.vllm_generation.last_outputs, width)
         finally:
             self._batch_supports = None
         output[SUPPORTS_KEY] = supports.to(output["completion_ids"].device)
