@@ -117,17 +117,20 @@ def run_vllm(
     timeout_s: float = 3600.0,
     lora_paths: list[str] | None = None,
     max_lora_rank: int = 16,
+    moe_lora_3d: bool = False,
 ) -> dict:
     """{"elapsed_s": [one per repeat], "num_tokens": N, "version": ...} of vLLM generating the
     same workload (unseeded, EOS ignored) in a child process of its own venv; compiled (vLLM's
     default) unless `enforce_eager`. `greedy`: one greedy sample per prompt instead, and
     "token_ids" (one list per prompt) in the answer. `lora_paths`: PEFT adapters, prompt i
-    under adapter i % len (vLLM's enable_lora, max_loras = their number)."""
+    under adapter i % len (vLLM's enable_lora, max_loras = their number); `moe_lora_3d`: they
+    adapt a MoE's fused 3-d expert weights (PEFT's `target_parameters`)."""
     job = {"model": model_dir, "prompts": prompts, "n": n, "max_tokens": max_tokens,
            "max_model_len": max_model_len, "max_num_batched_tokens": max_num_batched_tokens,
            "threads": threads, "repeats": repeats, "max_num_seqs": max(256, len(prompts) * n),
            "kv_cache_gib": kv_cache_gib, "dtype": dtype, "enforce_eager": enforce_eager,
-           "greedy": greedy, "lora_paths": lora_paths or [], "max_lora_rank": max_lora_rank}
+           "greedy": greedy, "lora_paths": lora_paths or [], "max_lora_rank": max_lora_rank,
+           "moe_lora_3d": moe_lora_3d}
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(job, f)
         f.flush()

@@ -3,6 +3,7 @@ adapters in the batch against the base model.
 
     python -m benchmarks.lora --threads 2                    # 0.5B-shaped model, everything
     python -m benchmarks.lora --size small --skip sync       # decode only, a quick look
+    python -m benchmarks.lora --size small --moe --skip sync # a Qwen3-MoE, experts adapted too
 
 **Sync** (a real server, `--transports`): the time to push an all-linear adapter of rank
 `--sync-rank` from memory (`EngineClient.load_lora_adapter`, in place, no disk) and its
@@ -16,7 +17,9 @@ best). vLLM's CPU build (`make peers`) runs the same batches with the same adapt
 installed (`--skip vllm` leaves it out).
 
 Adapters are random (PEFT's layout and names, written directly: no PEFT model of this size is
-built), A ~ N(0, 1/in), B ~ N(0, 0.02^2), so that they change the tokens a little.
+built), A ~ N(0, 1/in), B ~ N(0, 0.02^2), so that they change the tokens a little. With
+`--moe` the model is `model_impl`'s Qwen3-MoE (`--num-experts`, 2 per token) and the adapters
+take its attention linears and every expert's gate|up and down (PEFT's `target_parameters`).
 """
 
 from __future__ import annotations
@@ -75,31 +78,45 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--greedy-check", action="store_true",
                         help="then greedy tokens under the adapters (rank 16 or the first of "
                         "--ranks, one per prompt), ours against vLLM's")
+    parser.add_argument("--moe", action="store_true",
+                        help="a Qwen3-MoE of --size, adapters on attention and experts")
+    parser.add_argument("--num-experts", type=int, default=8)
     parser.add_argument("--json", help="also write the results to this file")
     return parser.parse_args()
 
 
 # ------------------------------------------------------------------------------ adapters
 def write_adapter(model_dir: str, out_dir: Path, rank: int, seed: int) -> Path:
-    """A random all-linear LoRA adapter of `model_dir`, as PEFT saves one."""
+    """A random LoRA adapter of every linear (and every expert of a MoE), as PEFT saves one."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     generator = torch.Generator().manual_seed(seed)
+
+    def pair(name: str, in_features: int, out_features: int, experts: int = 1) -> None:
+        tensors[f"{name}.lora_A.weight"] = (
+            torch.randn(experts * rank, in_features, generator=generator) / in_features**0.5)
+        tensors[f"{name}.lora_B.weight"] = (
+            torch.randn(out_features, rank * experts, generator=generator) * 0.02)
+
+    moe = getattr(config, "num_experts", None)
+    linears = {m: f for m, f in LINEARS.items() if not (moe and m.startswith("mlp."))}
     tensors = {}
     for layer in range(config.num_hidden_layers):
-        for module, shape_of in LINEARS.items():
-            in_features, out_features = shape_of(config, head_dim)
-            name = f"base_model.model.model.layers.{layer}.{module}"
-            tensors[f"{name}.lora_A.weight"] = (
-                torch.randn(rank, in_features, generator=generator) / in_features**0.5)
-            tensors[f"{name}.lora_B.weight"] = (
-                torch.randn(out_features, rank, generator=generator) * 0.02)
+        prefix = f"base_model.model.model.layers.{layer}"
+        for module, shape_of in linears.items():
+            pair(f"{prefix}.{module}", *shape_of(config, head_dim))
+        if moe:  # PEFT's nesting (what vLLM reads): gate|up inside, down outside
+            width = config.moe_intermediate_size
+            pair(f"{prefix}.mlp.experts.base_layer", config.hidden_size, 2 * width, moe)
+            pair(f"{prefix}.mlp.experts", width, config.hidden_size, moe)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
-    targets = sorted({m.split(".")[-1] for m in LINEARS})
+    targets = sorted({m.split(".")[-1] for m in linears})
+    parameters = ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"] if moe else []
     (out_dir / "adapter_config.json").write_text(json.dumps({
+        "target_parameters": parameters,
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
         "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
         "base_model_name_or_path": model_dir, "fan_in_fan_out": False, "use_dora": False,
@@ -192,7 +209,7 @@ def bench_vllm(model_dir: str, adapters: dict[int, list[Path]], prompts, args) -
                               max_num_batched_tokens=2048, threads=args.threads,
                               repeats=args.repeats, lora_paths=paths,
                               max_lora_rank=max(adapters), enforce_eager=True,
-                              timeout_s=args.vllm_timeout_s)
+                              timeout_s=args.vllm_timeout_s, moe_lora_3d=args.moe)
         except subprocess.TimeoutExpired:
             print(f"  vLLM {key}: not done after {args.vllm_timeout_s:.0f} s, given up")
             continue
@@ -219,7 +236,7 @@ def greedy_check(model_dir: str, paths: list[Path], prompts, args) -> tuple[int,
                       max_model_len=args.max_prompt_len + args.max_tokens + 16,
                       max_num_batched_tokens=2048, threads=args.threads, greedy=True,
                       lora_paths=[str(p) for p in paths], max_lora_rank=rank,
-                      enforce_eager=True)["token_ids"]
+                      enforce_eager=True, moe_lora_3d=args.moe)["token_ids"]
     same = sum(list(o.outputs[0].token_ids) == t for o, t in zip(ours, theirs))
     return same, len(prompts)
 
@@ -244,7 +261,14 @@ def main() -> None:
     results: dict = {"args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model_dir = args.model or str(build_tiny_model(root / "model", args.arch, args.size))
+        if args.model:
+            model_dir = args.model
+        elif args.moe:
+            from benchmarks.model_impl import moe_model_dir
+
+            model_dir = str(moe_model_dir(root, args))
+        else:
+            model_dir = str(build_tiny_model(root / "model", args.arch, args.size))
         ranks = sorted(set(args.ranks) | ({args.sync_rank} if "sync" not in args.skip else set()))
         adapters = {rank: [write_adapter(model_dir, root / f"r{rank}-{i}", rank, seed=i)
                            for i in range(max(args.adapter_counts))] for rank in ranks}

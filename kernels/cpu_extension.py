@@ -217,6 +217,14 @@ def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
                                              int(intermediate_size))
 
 
+def moe_grouped_linear(x: torch.Tensor, expert_offsets: torch.Tensor, packed: torch.Tensor,
+                       out_features: int) -> torch.Tensor:
+    """x [S, K], its rows sorted by expert (expert e's are `expert_offsets[e]` to
+    `expert_offsets[e + 1]`), times each row's expert's weight (packed by `moe_pack` from
+    [E, out_features, K]) -> [S, out_features]; the grouped experts' GEMM alone."""
+    return torch.ops.rollout_cpu.moe_grouped_linear(x, expert_offsets, packed, int(out_features))
+
+
 def main() -> None:
     """`make cpu-kernel`: build ahead of the tests and servers, and say whether it worked."""
     logging.basicConfig(level=logging.INFO)

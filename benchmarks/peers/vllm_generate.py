@@ -10,7 +10,8 @@ on the last line of stdout: {"elapsed_s": [per repeat], "num_tokens": N, "versio
 With "greedy": true the job is one greedy sample per prompt instead (n ignored), and the answer
 also holds "token_ids", one list per prompt. With "lora_paths" (PEFT adapter directories), LoRA
 is enabled (max_loras: their number, "max_lora_rank") and prompt i runs under adapter
-i % their number.
+i % their number; "moe_lora_3d": true says that they adapt a MoE's fused 3-d expert weights
+(PEFT's `target_parameters`: vLLM's enable_mixed_moe_lora_format and is_3d_lora_weight).
 
 vLLM's CPU build runs unseeded here (a per-request seed crashes it on the CPU) and in one
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set before vLLM is imported).
@@ -40,6 +41,8 @@ def main() -> None:
     if lora_paths:
         lora_options = {"enable_lora": True, "max_loras": len(lora_paths),
                         "max_lora_rank": job.get("max_lora_rank", 16)}
+        if job.get("moe_lora_3d"):
+            lora_options["enable_mixed_moe_lora_format"] = True
     llm = LLM(
         model=job["model"], dtype=job.get("dtype", "float32"),
         enforce_eager=job.get("enforce_eager", False), max_model_len=job["max_model_len"],
@@ -55,7 +58,9 @@ def main() -> None:
     if lora_paths:
         from vllm.lora.request import LoRARequest
 
-        adapters = [LoRARequest(f"adapter-{i}", i + 1, path) for i, path in enumerate(lora_paths)]
+        adapters = [LoRARequest(f"adapter-{i}", i + 1, path,
+                                is_3d_lora_weight=bool(job.get("moe_lora_3d")))
+                    for i, path in enumerate(lora_paths)]
         loras = [adapters[i % len(adapters)] for i in range(len(prompts))]
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, detokenize=False),
                  lora_request=None if loras is None else loras[:1])  # warm-up

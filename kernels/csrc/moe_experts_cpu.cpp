@@ -19,6 +19,9 @@
 // order) and the sum over j has a fixed order, so a token's result does not depend on the other
 // tokens of the step, on how many there are or on the thread count. The weights are packed
 // once per load (`moe_pack`: [E, N, K] -> [E, ceil(N / 16), K, 16], zeros past N).
+//
+// `moe_grouped_linear` is step 2 (or 4) alone, on rows the caller sorted by expert: for a step
+// that adds LoRA deltas between the projections (rollout_engine/worker/lora/expert_deltas.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -168,6 +171,44 @@ void experts_kernel(const at::Tensor& x, const at::Tensor& index, const at::Tens
   });
 }
 
+// x [S, K] sorted by expert (expert e's rows [offsets[e], offsets[e + 1])), packed [E, ceil(N /
+// 16), K, 16] from moe_pack -> [S, N] in x's dtype: each row times its expert's weight.
+at::Tensor moe_grouped_linear(const at::Tensor& x, const at::Tensor& expert_offsets,
+                              const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(3) == kPanel &&
+                  packed.is_contiguous() && packed.size(2) == x.size(1) &&
+                  (out_features + kPanel - 1) / kPanel == packed.size(1),
+              "moe_grouped_linear: x [S, K] and a weight [E, N, K] packed by moe_pack");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(),
+              "moe_grouped_linear: x and expert weights dtypes differ");
+  const int64_t E = packed.size(0), S = x.size(0), K = x.size(1);
+  TORCH_CHECK(expert_offsets.dim() == 1 && expert_offsets.size(0) == E + 1,
+              "moe_grouped_linear: expert_offsets [num_experts + 1]");
+  const at::Tensor offsets_long = expert_offsets.to(at::kLong).contiguous();
+  const int64_t* op = offsets_long.data_ptr<int64_t>();
+  std::vector<int64_t> offsets(op, op + E + 1);
+  TORCH_CHECK(offsets[0] == 0 && offsets[E] == S, "moe_grouped_linear: offsets must run from 0 to ",
+              S, " rows");
+  for (int64_t e = 0; e < E; ++e)
+    TORCH_CHECK(offsets[e] <= offsets[e + 1], "moe_grouped_linear: offsets must not decrease");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({S, out_features}, x.options());
+  if (S == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
+                                  "moe_grouped_linear", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "moe_grouped_linear: float64 is not supported");
+    } else {
+      using Acc = AccFor<scalar_t>;
+      at::Tensor widened = xc.to(c10::CppTypeToScalarType<Acc>::value).contiguous();
+      grouped_gemm<scalar_t>(items_of(offsets, packed.size(1), Blocking<scalar_t>::kPanels),
+                             widened.data_ptr<Acc>(), K, packed, out.data_ptr<scalar_t>(),
+                             out_features);
+    }
+  });
+  return out;
+}
+
 // weights [E, N, K] -> [E, ceil(N / 16), K, 16], columns past N zero (a copy).
 at::Tensor moe_pack(const at::Tensor& weights) {
   TORCH_CHECK(weights.dim() == 3, "moe_pack: weights [num_experts, N, K]");
@@ -218,9 +259,12 @@ TORCH_LIBRARY_FRAGMENT(rollout_cpu, m) {
   m.def("moe_pack(Tensor weights) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, "
         "Tensor down, int intermediate_size) -> Tensor");
+  m.def("moe_grouped_linear(Tensor x, Tensor expert_offsets, Tensor packed, int out_features) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) {
   m.impl("moe_pack", &moe_pack);
   m.impl("moe_experts", &moe_experts);
+  m.impl("moe_grouped_linear", &moe_grouped_linear);
 }

@@ -87,7 +87,7 @@ class Worker:
             self.lora = LoRASlots(lora_config.max_loras, self.device)
             self.max_lora_rank = lora_config.max_lora_rank
             model.attach_lora(self.lora, lora_config.max_lora_rank, self.dtype)
-            slack = ALIGNMENT_BYTES * (1 + sum(1 + len(p.bt) for p in self.lora.points))
+            slack = ALIGNMENT_BYTES * (1 + sum(len(p.tensors) for p in self.lora.points))
             pool = self.memory.create_lora_pool(self.lora.num_bytes + slack)
             self.lora.move_into(pool.allocate)
 
@@ -107,7 +107,7 @@ class Worker:
         if self.lora is None:
             raise LoRAError("LoRA is not enabled on this engine (enable_lora=True)")
         return build_lora_weights(peft_config, tensors, self.lora.linears, self.max_lora_rank,
-                                  self.dtype)
+                                  self.dtype, experts=self.lora.experts)
 
     def remove_lora(self, adapter_id: int) -> None:
         if self.lora is not None:

@@ -1,6 +1,7 @@
 """LoRA on CUDA: the Triton kernels against the delta written in torch, and an engine serving a
 batch that mixes three PEFT adapters and the base model against PEFT's own model (fp32, both
-modeling backends), with the deltas through Triton."""
+modeling backends), with the deltas through Triton; adapters on a MoE's experts (grouped
+GEMMs)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tests.integration.test_lora import (  # noqa: F401 - fixtures
     GREEDY,
     adapters,
     check_against_peft,
+    check_moe_adapters,
     oracles,
     prompts_and_loras,
 )
@@ -61,3 +63,7 @@ def test_mixed_batch_on_cuda_matches_peft(llama_dir, adapters, oracles, model_im
         llm.shutdown()
     assert "kernels.triton_lora" in sys.modules, "CUDA LoRA deltas should run through Triton"
     check_against_peft(outputs, prompts, loras, oracles)
+
+
+def test_moe_expert_adapters_on_cuda_match_peft(tmp_path):
+    check_moe_adapters(tmp_path, device="cuda", dtype="float32", kv_cache_bytes=64 << 20)

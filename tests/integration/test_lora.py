@@ -242,17 +242,43 @@ def test_refusals(tmp_path, llama_dir, adapters):
         LLM(str(llama_dir), enable_lora=True, batch_invariant=True)
 
 
-def test_moe_model_with_attention_adapter(tmp_path):
-    """A Qwen3-MoE through the transformers backend, its attention adapted: PEFT's tokens."""
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def test_moe_adapters_on_experts_and_attention(tmp_path):
+    check_moe_adapters(tmp_path)
+
+
+def check_moe_adapters(tmp_path: Path, **llm_options) -> None:
+    """A Qwen3-MoE through the transformers backend with three PEFT adapters, two of them on
+    its experts (`target_parameters`: one with attention and both expert parameters, one with
+    rsLoRA on down only), and the base in one batch with two slots: PEFT's tokens and logprobs;
+    each adapter changes some prompt's tokens."""
     model_dir = write_model_dir(tmp_path / "moe", make_config(*CONFIGS["qwen3_moe"]))
-    adapter = make_adapter(model_dir, tmp_path / "moe_qkvo", r=8,
-                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    oracle = {"moe": load_peft(model_dir, adapter), None: load_hf_model(str(model_dir))}
-    llm = LLM(str(model_dir), enable_lora=True)
-    lora = LoRARequest("moe", 1, str(adapter))
-    prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
-    outputs = llm.generate(prompts, GREEDY, lora_request=[lora, None])
-    check_against_peft(outputs, prompts, [lora, None], oracle)
+    adapters = {
+        "experts": make_adapter(model_dir, tmp_path / "experts", r=4, seed=1,
+                                target_modules=["q_proj", "v_proj"], target_parameters=EXPERTS),
+        "down": make_adapter(model_dir, tmp_path / "down", r=8, seed=2, target_modules=[],
+                             target_parameters=EXPERTS[1:], use_rslora=True, scale=0.3),
+        "attn": make_adapter(model_dir, tmp_path / "attn", r=2, seed=3,
+                             target_modules=["k_proj", "o_proj"]),
+    }
+    oracle = {name: load_peft(model_dir, path) for name, path in adapters.items()}
+    oracle[None] = load_hf_model(str(model_dir))
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8, **llm_options)
+    requests = {name: LoRARequest(name, i + 1, str(path))
+                for i, (name, path) in enumerate(adapters.items())}
+    prompts = [[1 + (5 * i + j) % 300 for j in range(4 + i % 3)] for i in range(8)]
+    loras = [*requests.values(), None] * 2
+    try:
+        outputs = llm.generate(prompts, GREEDY, lora_request=loras)
+        base = llm.generate(prompts, GREEDY)
+    finally:
+        llm.shutdown()
+    check_against_peft(outputs, prompts, loras, oracle)
+    for lora in requests.values():  # control: each adapter changes some prompt's tokens
+        assert any(out.outputs[0].token_ids != ref.outputs[0].token_ids
+                   for out, ref, used in zip(outputs, base, loras) if used is lora)
 
 
 @pytest.mark.parametrize("level", [1, 2])

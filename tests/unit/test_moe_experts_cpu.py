@@ -95,6 +95,32 @@ def test_no_tokens_and_bad_input():
                                   INTERMEDIATE)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_grouped_linear_alone(dtype):
+    """`moe_grouped_linear`: rows sorted by expert (one expert without rows) times their
+    expert's weight, bits equal to the whole kernel's gate|up; bad offsets refused."""
+    experts = make_experts(dtype)
+    packed = pack_experts(experts)
+    counts = [3, 0, 5, 1, 2, 1, 4, 2]
+    x = torch.randn(sum(counts), HIDDEN).to(dtype)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    got = cpu_extension.moe_grouped_linear(x, offsets, packed.gate_up, 2 * INTERMEDIATE)
+    expert_of = torch.repeat_interleave(torch.arange(NUM_EXPERTS), torch.tensor(counts))
+    expected = torch.einsum("sk,snk->sn", x.float(), experts.gate_up_proj[expert_of].float())
+    tolerance = 2e-6 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype
+    assert (got.float() - expected).abs().max() <= tolerance * expected.abs().max()
+    with pytest.raises(RuntimeError, match="offsets must run from 0"):
+        cpu_extension.moe_grouped_linear(x, offsets - 1, packed.gate_up, 2 * INTERMEDIATE)
+    with pytest.raises(RuntimeError, match="must not decrease"):
+        bad = offsets.clone()
+        bad[1] = 5  # past expert 1's end, 3
+        cpu_extension.moe_grouped_linear(x, bad, packed.gate_up, 2 * INTERMEDIATE)
+    with pytest.raises(RuntimeError, match="packed by moe_pack"):
+        cpu_extension.moe_grouped_linear(x, offsets, packed.gate_up, INTERMEDIATE)
+
+
 @torch.inference_mode()
 def test_experts_forward_falls_back_where_the_kernel_does_not_serve():
     experts = make_experts(torch.float32)

@@ -6,6 +6,14 @@ with tensors named `base_model.model.<module>.lora_A.weight` ([r, in]) and `...l
 Both are read. The delta of a module is `scaling * B @ A` with `scaling = lora_alpha / r`
 (`lora_alpha / sqrt(r)` with rsLoRA), per module where `rank_pattern` / `alpha_pattern` say so.
 
+MoE experts are adapted through PEFT's `target_parameters` (`["mlp.experts.gate_up_proj",
+"mlp.experts.down_proj"]`): one `ParamWrapper` per 3-d parameter [experts, out, in], nested when
+a module has two, so that the saved names are `<experts>.lora_A.weight` (the outer wrapper) and
+`<experts>.base_layer.lora_A.weight` (the inner one), with lora_A [experts * r, in] (expert-major
+rows) and lora_B [out, r * experts] (rank-major columns). Which parameter a pair adapts is told
+by its shapes (gate|up reads the hidden size and writes 2 x the expert width, down the
+reverse), not by the nesting, which depends on how PEFT sorted the names.
+
 Everything an adapter could get wrong is refused here, whole, with LoRAError: what PEFT would
 run differently from a plain unmerged delta (DoRA, trained biases, `modules_to_save`,
 embedding or lm_head adapters, fan-in/fan-out weights) and what does not fit the model.
@@ -31,19 +39,23 @@ _CONFIG_FILE = "adapter_config.json"
 _WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
+_BASE_LAYER = ".base_layer"
+"""What PEFT inserts into a module's name when it wraps a wrapped module (nested ParamWrappers)."""
+
+
 @dataclass
 class ModuleDelta:
-    """One linear's low-rank delta: `scaling * b @ a`."""
+    """One linear's low-rank delta: `scaling * b @ a`; for an experts parameter one per expert."""
 
     a: torch.Tensor
-    """[r, in features]."""
+    """[r, in features]; experts: [experts, r, in features]."""
     b: torch.Tensor
-    """[out features, r]."""
+    """[out features, r]; experts: [experts, out features, r]."""
     scaling: float
 
     @property
     def rank(self) -> int:
-        return self.a.shape[0]
+        return self.a.shape[-2]
 
 
 @dataclass
@@ -97,10 +109,12 @@ def build_lora_weights(
     linears: Mapping[str, tuple[int, int]],
     max_rank: int,
     dtype: torch.dtype,
+    experts: Mapping[str, tuple[int, int, int]] | None = None,
 ) -> LoRAWeights:
     """Check an adapter (its PEFT config and tensors) against the model's LoRA-capable linears
-    (`module name -> (in features, out features)`) and return its deltas in `dtype` (tensors
-    on the meta device are checked only: a pushed adapter's manifest)."""
+    (`module name -> (in features, out features)`) and experts parameters (`<experts module>.
+    <parameter> -> (experts, in features, out features)`), and return its deltas in `dtype`
+    (tensors on the meta device are checked only: a pushed adapter's manifest)."""
     _check_config(peft_config)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
@@ -113,7 +127,16 @@ def build_lora_weights(
         raise LoRAError("the adapter holds no LoRA weights")
     deltas = {}
     for module, pair in sorted(pairs.items()):
-        deltas[module] = _module_delta(module, pair, peft_config, linears, max_rank, dtype)
+        if module.endswith(_BASE_LAYER) or (module not in linears and _experts_params(
+                module, experts or {})):
+            name, delta = _experts_delta(module, pair, peft_config, experts or {}, max_rank,
+                                         dtype)
+            if name in deltas:
+                raise LoRAError(f"adapter adapts {name!r} twice")
+        else:
+            name = module
+            delta = _module_delta(module, pair, peft_config, linears, max_rank, dtype)
+        deltas[name] = delta
     return LoRAWeights(deltas)
 
 
@@ -140,8 +163,9 @@ def _module_delta(
         raise LoRAError(f"adapter module {module!r} has no lora_{missing} weight")
     if module not in linears:
         raise LoRAError(
-            f"adapter module {module!r} is not a linear layer this model runs LoRA on "
-            f"(e.g. {next(iter(linears), 'none')!r}; embeddings and lm_head are not supported)"
+            f"adapter module {module!r} is not a linear layer (or experts module) this model "
+            f"runs LoRA on (e.g. {next(iter(linears), 'none')!r}; embeddings and lm_head are not "
+            "supported)"
         )
     a, b = pair["A"], pair["B"]
     in_features, out_features = linears[module]
@@ -164,6 +188,58 @@ def _module_delta(
         return ModuleDelta(a, b, scaling)
     return ModuleDelta(a.detach().to("cpu", dtype).contiguous(),
                        b.detach().to("cpu", dtype).contiguous(), scaling)
+
+
+def _experts_params(module: str, experts: Mapping[str, tuple[int, int, int]]) -> list[str]:
+    """The experts parameters of `module` (its PEFT name, `.base_layer`s stripped)."""
+    while module.endswith(_BASE_LAYER):
+        module = module[: -len(_BASE_LAYER)]
+    return [name for name in experts if name.rpartition(".")[0] == module]
+
+
+def _experts_delta(
+    module: str, pair: dict[str, torch.Tensor], config: Mapping[str, Any],
+    experts: Mapping[str, tuple[int, int, int]], max_rank: int, dtype: torch.dtype,
+) -> tuple[str, ModuleDelta]:
+    """(the parameter's name, its per-expert deltas) of a PEFT ParamWrapper's pair."""
+    if set(pair) != {"A", "B"}:
+        missing = "B" if "A" in pair else "A"
+        raise LoRAError(f"adapter module {module!r} has no lora_{missing} weight")
+    a, b = pair["A"], pair["B"]
+    params = _experts_params(module, experts)
+    if not params:
+        raise LoRAError(f"adapter module {module!r} is not an experts module this model runs "
+                        "LoRA on (experts with SiLU-gated, concatenated gate|up weights)")
+    fits = [name for name in params if _fits_experts(a, b, *experts[name])]
+    if len(fits) != 1:
+        shapes = ", ".join(f"{name.rpartition('.')[2]} [{e} x r, {i}] / [{o}, r x {e}]"
+                           for name, (e, i, o) in ((n, experts[n]) for n in params))
+        raise LoRAError(f"adapter module {module!r}: lora_A {tuple(a.shape)} and lora_B "
+                        f"{tuple(b.shape)} fit {'none' if not fits else 'more than one'} of its "
+                        f"parameters ({shapes})")
+    name = fits[0]
+    num_experts, _, out_features = experts[name]
+    rank = a.shape[0] // num_experts
+    if rank > max_rank:
+        raise LoRAError(f"adapter parameter {name!r} has rank {rank} > max_lora_rank {max_rank}")
+    if not (a.is_floating_point() and b.is_floating_point()):
+        raise LoRAError(f"adapter parameter {name!r} holds non-float weights ({a.dtype})")
+    alpha = float(_pattern_value(name, config.get("alpha_pattern") or {},
+                                 config.get("lora_alpha", 8)))
+    scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    a = a.reshape(num_experts, rank, a.shape[1])  # rows are expert-major
+    b = b.reshape(out_features, rank, num_experts).permute(2, 0, 1)  # columns rank-major
+    if a.is_meta or b.is_meta:
+        return name, ModuleDelta(a, b, scaling)
+    return name, ModuleDelta(a.detach().to("cpu", dtype).contiguous(),
+                             b.detach().to("cpu", dtype).contiguous(), scaling)
+
+
+def _fits_experts(a: torch.Tensor, b: torch.Tensor, num_experts: int, in_features: int,
+                  out_features: int) -> bool:
+    return (a.dim() == 2 and b.dim() == 2 and a.shape[0] > 0
+            and a.shape[0] % num_experts == 0 and a.shape[1] == in_features
+            and tuple(b.shape) == (out_features, a.shape[0]))
 
 
 def _pattern_value(module: str, pattern: Mapping[str, Any], default: Any) -> Any:

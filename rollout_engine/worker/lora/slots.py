@@ -17,6 +17,8 @@ of the base model are in no group: their rows cost nothing.
 `LoRASlots` owns the points, the adapters registered on the worker (host copies) and which
 adapter sits in which slot: a step's adapters are put into slots before its forward (the
 scheduler never runs more than `max_loras` at once), reusing the least recently used slot.
+The experts of a mixture-of-experts layer take their deltas at an `ExpertsLoRAPoint`
+(`expert_deltas.py`), which shares the slots and the step's groups.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from kernels import cpu_extension
 from rollout_engine.protocol import LoRAError
 from rollout_engine.worker.lora.adapter import LoRAWeights
+from rollout_engine.worker.lora.expert_deltas import ExpertsLoRAPoint
 
 
 def lora_backend(device: torch.device) -> Literal["cpu", "triton", "torch"]:
@@ -62,6 +65,10 @@ class LoRAStep:
     """The groups of the step being run, shared by every point (empty: no adapter runs)."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """No step running: no groups."""
         self.groups: list[LoRAGroup] = []
         self.num_rows = 0
         """Tokens in the step: the rows every point's input has."""
@@ -71,6 +78,16 @@ class LoRAStep:
         self.row_slots: torch.Tensor | None = None
         """The groups as the Triton kernel takes them: each row's slot (int32 on the device;
         -1: the base model)."""
+        self._slot_of_rows: torch.Tensor | None = None
+
+    def slot_of_rows(self, device: torch.device) -> torch.Tensor:
+        """Each row's slot (int64 on `device`; -1: the base model), built once per step."""
+        if self._slot_of_rows is None:
+            slots = torch.full((self.num_rows,), -1, dtype=torch.int64, device=device)
+            for group in self.groups:
+                slots[group.rows] = group.slot
+            self._slot_of_rows = slots
+        return self._slot_of_rows
 
 
 class LoRAPoint:
@@ -160,8 +177,16 @@ class LoRAPoint:
                 and all(o.dtype == x.dtype and o.stride(-1) == 1 for o in outs))
 
     @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.a, *self.bt]
+
+    @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [self.a, *self.bt])
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def move_into(self, allocate: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> None:
+        self.a = allocate(self.a.shape, self.a.dtype)
+        self.bt = [allocate(bt.shape, bt.dtype) for bt in self.bt]
 
 
 class LoRASlots:
@@ -172,7 +197,7 @@ class LoRASlots:
         self.max_loras = max_loras
         self.device = device
         self.step = LoRAStep()
-        self.points: list[LoRAPoint] = []
+        self.points: list[LoRAPoint | ExpertsLoRAPoint] = []
         self.adapters: dict[int, LoRAWeights] = {}
         """Registered adapters by engine-wide id, host copies."""
         self._slot_of: OrderedDict[int, int] = OrderedDict()
@@ -186,11 +211,26 @@ class LoRASlots:
         self.points.append(point)
         return point
 
+    def add_experts_point(self, prefix: str, num_experts: int, hidden_size: int,
+                          intermediate_size: int, max_rank: int,
+                          dtype: torch.dtype) -> ExpertsLoRAPoint:
+        point = ExpertsLoRAPoint(prefix, num_experts, hidden_size, intermediate_size,
+                                 self.max_loras, max_rank, dtype, self.device, self.step)
+        self.points.append(point)
+        return point
+
     @property
     def linears(self) -> dict[str, tuple[int, int]]:
         """Every linear a delta can target: name -> (in features, out features)."""
-        return {name: (p.in_features, out) for p in self.points
+        return {name: (p.in_features, out) for p in self.points if isinstance(p, LoRAPoint)
                 for name, out in zip(p.names, p.out_features)}
+
+    @property
+    def experts(self) -> dict[str, tuple[int, int, int]]:
+        """Every experts parameter a delta can target: `<module>.<parameter>` -> (experts,
+        in features, out features)."""
+        return {name: shape for p in self.points if isinstance(p, ExpertsLoRAPoint)
+                for name, shape in p.targets.items()}
 
     def register(self, adapter_id: int, weights: LoRAWeights) -> None:
         self.adapters[adapter_id] = weights
@@ -215,6 +255,7 @@ class LoRASlots:
         for adapter_id, spans in rows_of.items():
             slot = self._slot(adapter_id, keep=rows_of.keys())
             groups.append(LoRAGroup(slot, self._rows(spans)))
+        self.step.reset()
         self.step.groups, self.step.num_rows = groups, num_rows
         backend = lora_backend(self.device)
         if backend == "cpu":
@@ -241,9 +282,7 @@ class LoRASlots:
         self.step.row_slots = row_slots.to(self.device, non_blocking=True)
 
     def end_step(self) -> None:
-        step = self.step
-        step.groups, step.num_rows = [], 0
-        step.rows = step.group_offsets = step.group_slots = step.row_slots = None
+        self.step.reset()
 
     def _slot(self, adapter_id: int, keep) -> int:
         """The adapter's slot, loading it into a free or the least recently run one."""
@@ -286,8 +325,7 @@ class LoRASlots:
     def move_into(self, allocate: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> None:
         """Give every point's weights their place in a pool (`allocate(shape, dtype)`), empty."""
         for point in self.points:
-            point.a = allocate(point.a.shape, point.a.dtype)
-            point.bt = [allocate(bt.shape, bt.dtype) for bt in point.bt]
+            point.move_into(allocate)
         self.forget_slots()
 
     def forget_slots(self) -> None:

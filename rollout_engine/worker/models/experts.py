@@ -100,13 +100,19 @@ def pack_experts(module: nn.Module) -> PackedExperts:
 
 def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """hidden_states [T, H], top_k_index / top_k_weights [T, k] -> [T, H]: the grouped CPU
-    kernel where it serves, the Triton fused MoE on CUDA, else transformers' `grouped_mm`
+    """hidden_states [T, H], top_k_index / top_k_weights [T, k] -> [T, H]: with the step's LoRA
+    deltas where its adapters target these experts (`lora/expert_deltas.py`), else the grouped
+    CPU kernel where it serves, the Triton fused MoE on CUDA, else transformers' `grouped_mm`
     implementation (and always under autograd: our kernels have no backward)."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     packed: PackedExperts | None = getattr(module, "packed_experts", None)
-    if packed is not None and _kernel_serves(hidden_states, top_k_index, packed):
+    if packed is not None and not _kernel_serves(hidden_states, top_k_index, packed):
+        packed = None
+    lora = getattr(module, "lora_experts", None)  # an ExpertsLoRAPoint, with enable_lora
+    if lora is not None and lora.runs():
+        return lora.forward(module, hidden_states, top_k_index, top_k_weights, packed)
+    if packed is not None:
         return cpu_extension.moe_experts(hidden_states, top_k_index, top_k_weights,
                                          packed.gate_up, packed.down, packed.intermediate_size)
     if hidden_states.is_cuda and not torch.is_grad_enabled() and _triton_serves(module):

@@ -27,7 +27,7 @@ from rollout_engine.protocol import ModelLoadError
 from rollout_engine.worker.kv_cache_spec import LayerKVSpec
 from rollout_engine.worker.lora.slots import LoRAPoint, LoRASlots
 from rollout_engine.worker.models.decoder import sliding_windows_of
-from rollout_engine.worker.models.experts import use_our_experts
+from rollout_engine.worker.models.experts import has_kernel_layout, use_our_experts
 from rollout_engine.worker.models.tp_sharding import ShardSpec
 from rollout_engine.worker.models.transformers_attention import (
     ATTENTION_NAME,
@@ -307,13 +307,19 @@ class TransformersForCausalLM(nn.Module):
 
     def attach_lora(self, slots: LoRASlots, max_rank: int, dtype: torch.dtype) -> None:
         """A LoRA point on every `nn.Linear` but the output embeddings, under its HF (and
-        PEFT) module name: a forward hook adds the step's deltas to its output."""
+        PEFT) module name: a forward hook adds the step's deltas to its output; and one on
+        every experts module our kernels compute (PEFT's `target_parameters`), which runs the
+        module's forward when the step's adapters target it (`experts.experts_forward`)."""
         output_embeddings = self.output_embeddings
         for name, module in self.named_modules():
             if type(module) is nn.Linear and module is not output_embeddings:
                 point = slots.add_point([name], module.in_features, [module.out_features],
                                         max_rank, dtype)
                 module.register_forward_hook(_lora_hook(point))
+            elif has_kernel_layout(module):
+                num_experts, twice_intermediate, hidden = module.gate_up_proj.shape
+                module.lora_experts = slots.add_experts_point(
+                    name, num_experts, hidden, twice_intermediate // 2, max_rank, dtype)
 
     def shard_specs(self) -> dict[str, ShardSpec]:
         """Every parameter whole (replicated): no tensor parallelism in this backend yet."""
