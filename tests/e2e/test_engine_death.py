@@ -55,7 +55,9 @@ def kill_during(server: EngineServer, call) -> tuple[BaseException | None, float
     return outcome.get("error"), outcome["duration_s"]
 
 
-@pytest.mark.parametrize("verb", ["generate", "update_weights", "sleep", "generate_stream"])
+@pytest.mark.parametrize("verb", [  # a server each: two of the four in the fast suite
+    pytest.param("generate", marks=pytest.mark.slow), "update_weights",
+    pytest.param("sleep", marks=pytest.mark.slow), "generate_stream"])
 def test_a_call_to_a_server_killed_mid_call_is_unavailable(engine, llama_dir, verb):
     client = EngineClient(engine.address, timeout=DEADLINE_S)
     client.wait_until_ready(30)

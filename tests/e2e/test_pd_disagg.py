@@ -57,7 +57,8 @@ def engine_stats(address: str) -> dict[str, float]:
         return client.info().engine_stats
 
 
-@pytest.mark.parametrize("transport", ["grpc", "shm"])
+@pytest.mark.parametrize("transport", [  # shm is also in tests/integration/test_kv_transfer.py
+    "grpc", pytest.param("shm", marks=pytest.mark.slow)])
 def test_routed_generation_equals_transformers(
     tmp_path_factory, llama_dir, decode_server, grpc_prefill_server, expected, transport
 ):
