@@ -15,10 +15,11 @@
 //   - acc[d] = acc[d] * alpha, then acc[d] = fma(exp(s_j - m'), v_j[d], acc[d]) for j in order;
 //
 // and out[d] = acc[d] / l, rounded to the input dtype (zeros where no key is visible). All math
-// in float32; bfloat16 and float16 are widened as they are loaded. `attend` does this for the
-// query vectors of one key/value head (each on its own, reading each key once for all) given
-// the keys' and values' row pointers, and is not inlined, so every caller (this dense entry
-// point; a paged one reading a KV cache) runs the same instructions.
+// in float32; bfloat16 and float16 are widened as they are loaded. `attend_keys` does the groups
+// for query vectors of one key/value head (each on its own, reading each key once for all)
+// given the keys' and values' row pointers, and is not inlined, so every caller (this dense
+// entry point; a paged one reading a KV cache, which also takes the decode tokens of a prompt's
+// samples together over their shared blocks) runs the same instructions.
 //
 // Dense entry point (sdpa's layout): q [B, H, Lq, D], k [B, Hk, Lk, D], v [B, Hk, Lk, Dv] with H
 // a multiple of Hk (grouped-query attention), unit stride on the last dims; mask, if given, a
@@ -53,11 +54,67 @@ inline float dot(const float* q, const scalar_t* k, int64_t dim) {
   return acc.tree_sum();
 }
 
+// out[j] = dot(q, keys[j], dim) for the sixteen keys of a whole group, bit for bit: with
+// AVX-512 and a head dim of whole vectors, the sixteen FMA chains side by side, then
+// `tree_sum`'s additions (lanes i + i+8, i + i+4, i + i+2, i + i+1) for all sixteen keys at
+// once, each level adding the same lanes it adds for one key, shuffled into fewer registers
+// (a key's sum ends at lane kOrder[key], put back in key order at the end).
+template <typename scalar_t>
+inline void dot16(const float* q, const scalar_t* const* keys, int64_t dim, float* out) {
+#if defined(__AVX512F__)
+  if (dim % kLanes == 0) {
+    __m512 acc[kGroup];
+    for (int64_t j = 0; j < kGroup; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += kLanes) {
+      const __m512 qv = _mm512_loadu_ps(q + d);
+      for (int64_t j = 0; j < kGroup; ++j)
+        acc[j] = _mm512_fmadd_ps(qv, Vec16::load(keys[j] + d).v, acc[j]);
+    }
+    __m512 r1[8], r2[4], r3[2];
+    for (int p = 0; p < 8; ++p)  // keys p | p + 8: lanes i + i+8 of each
+      r1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[p], acc[p + 8], 0x44),
+                            _mm512_shuffle_f32x4(acc[p], acc[p + 8], 0xEE));
+    for (int p = 0; p < 4; ++p)  // keys p | p + 8 | p + 4 | p + 12: lanes i + i+4
+      r2[p] = _mm512_add_ps(_mm512_shuffle_f32x4(r1[p], r1[p + 4], 0x88),
+                            _mm512_shuffle_f32x4(r1[p], r1[p + 4], 0xDD));
+    for (int p = 0; p < 2; ++p)  // two keys per 128-bit lane: lanes i + i+2
+      r3[p] = _mm512_add_ps(_mm512_shuffle_ps(r2[p], r2[p + 2], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_ps(r2[p], r2[p + 2], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 r4 =  // lanes i + i+1: keys 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15
+        _mm512_add_ps(_mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                      _mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i kOrder = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13,
+                                             15);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(kOrder, r4));
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < kGroup; ++j) out[j] = dot(q, keys[j], dim);
+}
+
 // acc[d] = acc[d] * alpha, then acc[d] = fma(p[j], v_j[d], acc[d]) for j in order: sixteen d
 // at a time in registers, the rest one at a time (the same operations, lane by lane).
+// kChunks x 16 values per row (head dims 64 and 128): every lane's accumulator in a register for
+// the whole group, each weight broadcast once for all of them; the same operations per lane.
+template <int kChunks, typename scalar_t>
+inline void accumulate_whole(const scalar_t* const* values, int64_t n, const float* p,
+                             float alpha, float* acc) {
+  Vec16 a[kChunks];
+  const Vec16 scale = Vec16::broadcast(alpha);
+  for (int c = 0; c < kChunks; ++c) a[c] = Vec16::mul(Vec16::load(acc + c * kLanes), scale);
+  for (int64_t j = 0; j < n; ++j) {
+    const Vec16 weight = Vec16::broadcast(p[j]);
+    for (int c = 0; c < kChunks; ++c)
+      a[c] = Vec16::fma(weight, Vec16::load(values[j] + c * kLanes), a[c]);
+  }
+  for (int c = 0; c < kChunks; ++c) a[c].store(acc + c * kLanes);
+}
+
 template <typename scalar_t>
 inline void accumulate_values(const scalar_t* const* values, int64_t n, const float* p,
                               float alpha, int64_t value_dim, float* acc) {
+  if (value_dim == 4 * kLanes) return accumulate_whole<4>(values, n, p, alpha, acc);
+  if (value_dim == 8 * kLanes) return accumulate_whole<8>(values, n, p, alpha, acc);
   int64_t d = 0;
   for (; d + kLanes <= value_dim; d += kLanes) {
     Vec16 a = Vec16::mul(Vec16::load(acc + d), Vec16::broadcast(alpha));
@@ -72,53 +129,85 @@ inline void accumulate_values(const scalar_t* const* values, int64_t n, const fl
   }
 }
 
-// `num_queries` query vectors (widened to float32) that share one key/value head, each over
-// the same `count` visible keys, each in the order of the header: a query's bits are those it
-// gets alone. Taking the queries of a grouped-query head together reads each key and value
-// once for all of them. Scratch: `acc` num_queries x value_dim floats, `state` 2 x num_queries.
-template <typename scalar_t>
-__attribute__((noinline)) void attend(const float* const* queries, int64_t num_queries,
-                                      int64_t dim, const scalar_t* const* keys,
-                                      const scalar_t* const* values, int64_t count,
-                                      int64_t value_dim, float scale, float* acc, float* state,
-                                      scalar_t* const* outs) {
-  if (count == 0) {
-    for (int64_t i = 0; i < num_queries; ++i)
-      for (int64_t d = 0; d < value_dim; ++d) outs[i][d] = scalar_t(0);
-    return;
-  }
-  constexpr float kNone = -std::numeric_limits<float>::infinity();
-  float* maxima = state;               // m per query
-  float* sums = state + num_queries;   // l per query
+// Running softmax state of `num_queries` query vectors: m and l per query, acc value_dim
+// floats per query (pointers into the caller's scratch; a subset is a sub-range of each).
+struct Running {
+  float* maxima;
+  float* sums;
+  float* acc;
+};
+
+inline void attend_begin(Running st, int64_t num_queries, int64_t value_dim) {
   for (int64_t i = 0; i < num_queries; ++i) {
-    maxima[i] = kNone;
-    sums[i] = 0.f;
+    st.maxima[i] = -std::numeric_limits<float>::infinity();
+    st.sums[i] = 0.f;
   }
-  std::fill(acc, acc + num_queries * value_dim, 0.f);
+  std::fill(st.acc, st.acc + num_queries * value_dim, 0.f);
+}
+
+// `num_queries` query vectors (widened to float32) that share one key/value head, each over
+// the same `count` keys, continuing their running state, each in the order of the header: a
+// query's bits are those it gets alone. Taking the queries of a grouped-query head (or of the
+// requests sharing a prefix, `paged_kernel`) together reads each key and value once for all of
+// them. A query's keys may come in several calls, each but the last a whole number of groups
+// (kGroup keys): the groups, and so every operation, are those of one call over all its keys.
+template <typename scalar_t>
+__attribute__((noinline)) void attend_keys(const float* const* queries, int64_t num_queries,
+                                           int64_t dim, const scalar_t* const* keys,
+                                           const scalar_t* const* values, int64_t count,
+                                           int64_t value_dim, float scale, Running st) {
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
   alignas(64) float s[kGroup], p[kGroup], alpha_lanes[kGroup];
   for (int64_t g = 0; g < count; g += kGroup) {
     const int64_t n = std::min(kGroup, count - g);
     for (int64_t i = 0; i < num_queries; ++i) {
       float group_max = kNone;
-      for (int64_t j = 0; j < n; ++j) {
-        s[j] = dot(queries[i], keys[g + j], dim) * scale;
-        group_max = std::max(group_max, s[j]);
+      if (n == kGroup) {
+        dot16(queries[i], keys + g, dim, s);
+        for (int64_t j = 0; j < n; ++j) {
+          s[j] = s[j] * scale;
+          group_max = std::max(group_max, s[j]);
+        }
+      } else {
+        for (int64_t j = 0; j < n; ++j) {
+          s[j] = dot(queries[i], keys[g + j], dim) * scale;
+          group_max = std::max(group_max, s[j]);
+        }
       }
-      const float m = maxima[i], m_new = std::max(m, group_max);
+      const float m = st.maxima[i], m_new = std::max(m, group_max);
       for (int64_t j = 0; j < kGroup; ++j) s[j] = j < n ? s[j] - m_new : kNone;
       Vec16::exp(Vec16::load(s)).store(p);
       Vec16::exp(Vec16::broadcast(m - m_new)).store(alpha_lanes);
       const float alpha = alpha_lanes[0];  // 0 for the first group (m = -inf)
-      float l = sums[i] * alpha;
+      float l = st.sums[i] * alpha;
       for (int64_t j = 0; j < n; ++j) l = l + p[j];
-      sums[i] = l;
-      maxima[i] = m_new;
-      accumulate_values(values + g, n, p, alpha, value_dim, acc + i * value_dim);
+      st.sums[i] = l;
+      st.maxima[i] = m_new;
+      accumulate_values(values + g, n, p, alpha, value_dim, st.acc + i * value_dim);
     }
   }
+}
+
+// out = acc / l per query, rounded to the dtype (zeros where the query saw no key).
+template <typename scalar_t>
+inline void attend_finish(Running st, int64_t num_queries, int64_t value_dim, bool saw_keys,
+                          scalar_t* const* outs) {
   for (int64_t i = 0; i < num_queries; ++i)
     for (int64_t d = 0; d < value_dim; ++d)
-      outs[i][d] = static_cast<scalar_t>(acc[i * value_dim + d] / sums[i]);
+      outs[i][d] = saw_keys ? static_cast<scalar_t>(st.acc[i * value_dim + d] / st.sums[i])
+                            : scalar_t(0);
+}
+
+// The queries over the same `count` keys, from a fresh state to their outputs. Scratch: `acc`
+// num_queries x value_dim floats, `state` 2 x num_queries.
+template <typename scalar_t>
+void attend(const float* const* queries, int64_t num_queries, int64_t dim,
+            const scalar_t* const* keys, const scalar_t* const* values, int64_t count,
+            int64_t value_dim, float scale, float* acc, float* state, scalar_t* const* outs) {
+  const Running st{state, state + num_queries, acc};
+  attend_begin(st, num_queries, value_dim);
+  attend_keys<scalar_t>(queries, num_queries, dim, keys, values, count, value_dim, scale, st);
+  attend_finish<scalar_t>(st, num_queries, value_dim, count > 0, outs);
 }
 
 template <typename scalar_t>
@@ -206,6 +295,58 @@ at::Tensor batch_invariant_attention(const at::Tensor& query, const at::Tensor& 
   return out;
 }
 
+// The n samples of a prompt decode over the same first blocks (the prefix cache gives them the
+// same block ids): their tokens attend to those keys together, each key read once for all of
+// them, then each goes on over its own keys with its running state. A token's operations stay
+// those it gets alone: the shared keys are a whole number of groups, so the groups are the same.
+struct Item {
+  std::vector<int64_t> tokens;  // decode tokens of requests sharing the first `shared` keys
+  int64_t shared = 0;
+};
+
+constexpr int64_t kMaxTokensTogether = 16;  // members of one item (bounds its scratch)
+
+// Items of the step: runs of decode requests (one query token, no sliding window) whose block
+// tables begin with the same blocks, each with the keys all of them see there; every other
+// token an item of its own.
+std::vector<Item> share_prefixes(int64_t R, const int32_t* starts, const int32_t* lens,
+                                 const int32_t* tables, int64_t table_stride, int64_t block_size,
+                                 bool sliding) {
+  std::vector<Item> items;
+  std::vector<int64_t> decode;  // requests that may share, ordered by their first block
+  for (int64_t r = 0; r < R; ++r) {
+    const bool one_token = starts[r + 1] - starts[r] == 1;
+    if (one_token && !sliding && lens[r] > kGroup) decode.push_back(r);
+    else
+      for (int64_t t = starts[r]; t < starts[r + 1]; ++t) items.push_back({{t}, 0});
+  }
+  std::stable_sort(decode.begin(), decode.end(), [&](int64_t a, int64_t b) {
+    return tables[a * table_stride] < tables[b * table_stride];
+  });
+  for (size_t i = 0; i < decode.size();) {
+    const int64_t lead = decode[i];
+    // Whole blocks the lead sees entirely (its own position's block excluded).
+    const int64_t lead_blocks = (lens[lead] - 1) / block_size;
+    Item item{{starts[lead]}, lead_blocks};
+    size_t next = i + 1;
+    for (; next < decode.size() && item.tokens.size() < kMaxTokensTogether; ++next) {
+      const int64_t r = decode[next];
+      int64_t common = 0;
+      const int64_t limit = std::min(item.shared, (lens[r] - 1) / block_size);
+      while (common < limit &&
+             tables[r * table_stride + common] == tables[lead * table_stride + common])
+        ++common;
+      if (common * block_size < kGroup) break;  // nothing worth sharing with the lead
+      item.shared = common;
+      item.tokens.push_back(starts[r]);
+    }
+    item.shared = item.tokens.size() > 1 ? item.shared * block_size / kGroup * kGroup : 0;
+    items.push_back(std::move(item));
+    i = next;
+  }
+  return items;
+}
+
 template <typename scalar_t>
 void paged_kernel(const at::Tensor& q, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -226,42 +367,74 @@ void paged_kernel(const at::Tensor& q, const at::Tensor& key_cache,
   const scalar_t* kp = key_cache.data_ptr<scalar_t>();
   const scalar_t* vp = value_cache.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
+  for (int64_t t = 0; t < T; ++t)  // padding rows of the step attend to nothing
+    if (request_of[t] < 0)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < Dv; ++d) op[(t * H + h) * Dv + d] = scalar_t(0);
+  const std::vector<Item> items = share_prefixes(R, starts, lens, tables, table_stride,
+                                                 block_size, sliding_window > 0);
   // The query heads of one key/value head go together: they see the same keys.
-  at::parallel_for(0, T * Hk, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(items.size()) * Hk, 1, [&](int64_t begin,
+                                                                      int64_t end) {
     std::vector<const scalar_t*> keys, values;
-    std::vector<float> qf(per_kv * D), acc(per_kv * Dv), state(2 * per_kv);
-    std::vector<const float*> queries(per_kv);
-    std::vector<scalar_t*> outs(per_kv);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / Hk, hk = item % Hk, h0 = hk * per_kv;
-      for (int64_t g = 0; g < per_kv; ++g) outs[g] = op + (t * H + h0 + g) * Dv;
-      const int64_t r = request_of[t];
-      if (r < 0) {  // a padding row of the step: attends to nothing
-        for (int64_t g = 0; g < per_kv; ++g)
-          for (int64_t d = 0; d < Dv; ++d) outs[g][d] = scalar_t(0);
-        continue;
-      }
-      const int64_t q_len = starts[r + 1] - starts[r];
-      const int64_t position = lens[r] - q_len + (t - starts[r]);
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, position - sliding_window + 1)
-                                               : 0;
-      for (int64_t g = 0; g < per_kv; ++g) {
-        const scalar_t* qrow = qp + t * q.stride(0) + (h0 + g) * q.stride(1);
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(qrow[d]);
-        queries[g] = qf.data() + g * D;
-      }
+    std::vector<float> qf, acc, maxima, sums;
+    std::vector<const float*> queries;
+    std::vector<scalar_t*> outs;
+    // Pointers to the keys [from, to) of request r under key/value head hk.
+    auto gather = [&](int64_t r, int64_t hk, int64_t from, int64_t to) {
       keys.clear();
       values.clear();
-      for (int64_t j = first; j <= position; ++j) {
+      for (int64_t j = from; j < to; ++j) {
         const int64_t block = tables[r * table_stride + j / block_size], slot = j % block_size;
         keys.push_back(kp + block * key_cache.stride(0) + slot * key_cache.stride(1) +
                        hk * key_cache.stride(2));
         values.push_back(vp + block * value_cache.stride(0) + slot * value_cache.stride(1) +
                          hk * value_cache.stride(2));
       }
-      attend<scalar_t>(queries.data(), per_kv, D, keys.data(), values.data(),
-                       static_cast<int64_t>(keys.size()), Dv, scale, acc.data(), state.data(),
-                       outs.data());
+    };
+    for (int64_t index = begin; index < end; ++index) {
+      const Item& item = items[index / Hk];
+      const int64_t hk = index % Hk, h0 = hk * per_kv;
+      const int64_t members = static_cast<int64_t>(item.tokens.size());
+      const int64_t num_queries = members * per_kv;
+      qf.resize(num_queries * D);
+      acc.resize(num_queries * Dv);
+      maxima.resize(num_queries);
+      sums.resize(num_queries);
+      queries.resize(num_queries);
+      outs.resize(num_queries);
+      for (int64_t m = 0; m < members; ++m) {
+        const int64_t t = item.tokens[m];
+        for (int64_t g = 0; g < per_kv; ++g) {
+          const int64_t i = m * per_kv + g;
+          const scalar_t* qrow = qp + t * q.stride(0) + (h0 + g) * q.stride(1);
+          for (int64_t d = 0; d < D; ++d) qf[i * D + d] = static_cast<float>(qrow[d]);
+          queries[i] = qf.data() + i * D;
+          outs[i] = op + (t * H + h0 + g) * Dv;
+        }
+      }
+      const Running all{maxima.data(), sums.data(), acc.data()};
+      attend_begin(all, num_queries, Dv);
+      if (item.shared > 0) {
+        gather(request_of[item.tokens[0]], hk, 0, item.shared);
+        attend_keys<scalar_t>(queries.data(), num_queries, D, keys.data(), values.data(),
+                              item.shared, Dv, scale, all);
+      }
+      for (int64_t m = 0; m < members; ++m) {
+        const int64_t t = item.tokens[m], r = request_of[t];
+        const int64_t q_len = starts[r + 1] - starts[r];
+        const int64_t position = lens[r] - q_len + (t - starts[r]);
+        const int64_t first = sliding_window > 0
+                                  ? std::max<int64_t>(0, position - sliding_window + 1)
+                                  : item.shared;
+        gather(r, hk, first, position + 1);
+        const Running own{maxima.data() + m * per_kv, sums.data() + m * per_kv,
+                          acc.data() + m * per_kv * Dv};
+        attend_keys<scalar_t>(queries.data() + m * per_kv, per_kv, D, keys.data(),
+                              values.data(), static_cast<int64_t>(keys.size()), Dv, scale, own);
+        const bool saw_keys = item.shared + static_cast<int64_t>(keys.size()) > 0;
+        attend_finish<scalar_t>(own, per_kv, Dv, saw_keys, outs.data() + m * per_kv);
+      }
     }
   });
 }

@@ -241,9 +241,11 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
                for shape in ((37, 203), (45, 203), (45,)))
     outs.append(torch.ops.rollout_cpu.batch_invariant_linear(x, w, b))
     if dtype != torch.float64:  # attention, its exp included: scores far apart and close
-        q, k, v = (torch.randn(2, 4, 40, 24, generator=generator).to(dtype) * 3
-                   for _ in range(3))
-        outs.append(torch.ops.rollout_cpu.batch_invariant_attention(q, k, v, None, True, 0.2))
+        for head_dim in (24, 64):  # 64: whole vectors, sixteen keys' dot products at once
+            q, k, v = (torch.randn(2, 4, 40, head_dim, generator=generator).to(dtype) * 3
+                       for _ in range(3))
+            outs.append(torch.ops.rollout_cpu.batch_invariant_attention(q, k, v, None, True,
+                                                                        0.2))
 torch.save(outs, out)
 """
 
@@ -266,3 +268,67 @@ def test_the_bits_do_not_depend_on_the_vector_width(tmp_path):
     for name in variants:
         assert all(torch.equal(a, b) for a, b in zip(results["native"], results[name],
                                                        strict=True)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 4, 24])
+def test_paged_attention_reads_shared_prefixes_once_with_each_tokens_bits(dtype, block_size):
+    """Decode tokens whose block tables begin with the same blocks (a prompt's samples) attend
+    to those keys together: every output equals, bit for bit, the same token's with its own
+    copies of the blocks, and the dense kernel's over its keys (members of other lengths, one
+    sharing less, prefill rows and a padding row in the step)."""
+    require_kernel()
+    generator = torch.Generator().manual_seed(3)
+    num_heads, num_kv_heads, head_dim = 4, 2, 64
+    prefix_blocks = 80 // block_size  # whole blocks of a shared 80-token prompt
+    lens = [83, 97, 81, 90, 40, 7]  # four samples of the prompt, a prefill of 5, a short one
+    q_lens = [1, 1, 1, 1, 5, 1]
+    shared_tables, copied_tables, next_block = [], [], 0
+
+    def blocks(count: int) -> list[int]:
+        nonlocal next_block
+        next_block += count
+        return list(range(next_block - count, next_block))
+
+    prompt = blocks(prefix_blocks)
+    for i, length in enumerate(lens):
+        total = -(-length // block_size)
+        if i < 4:  # the samples: the prompt's blocks (the third keeps only half of them)
+            keep = prefix_blocks if i != 2 else prefix_blocks // 2
+            own = blocks(total - keep)
+            shared_tables.append(prompt[:keep] + own)
+            copied_tables.append(blocks(keep) + own)
+        else:
+            table = blocks(total)
+            shared_tables.append(table)
+            copied_tables.append(table)
+    width = max(map(len, shared_tables))
+    shape = (next_block, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(dtype)
+    value_cache = torch.randn(shape, generator=generator).to(dtype)
+    for shared, copied in zip(shared_tables, copied_tables):  # copies hold the same keys
+        key_cache[copied] = key_cache[shared]
+        value_cache[copied] = value_cache[shared]
+
+    def as_tensor(tables):
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+    num_tokens = sum(q_lens) + 1  # a padding row last
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    outs = [torch.ops.rollout_cpu.batch_invariant_paged_attention(
+        query, key_cache, value_cache, as_tensor(tables), seq_lens, starts, 0.125, 0)
+        for tables in (shared_tables, copied_tables)]
+    assert torch.equal(outs[0], outs[1])
+    assert not outs[0][-1].any()  # the padding row
+    for r, (table, length) in enumerate(zip(shared_tables, lens)):  # the dense kernel's bits
+        slots = torch.tensor([table[j // block_size] * block_size + j % block_size
+                              for j in range(length)])
+        keys = key_cache.flatten(0, 1)[slots].transpose(0, 1)[None]
+        values = value_cache.flatten(0, 1)[slots].transpose(0, 1)[None]
+        rows = query[starts[r]:starts[r + 1]].transpose(0, 1)[None]
+        mask = torch.ones(q_lens[r], length, dtype=torch.bool).tril(length - q_lens[r])
+        dense = torch.ops.rollout_cpu.batch_invariant_attention(
+            rows, keys, values, mask, False, 0.125)
+        assert torch.equal(outs[0][starts[r]:starts[r + 1]], dense[0].transpose(0, 1)), r
