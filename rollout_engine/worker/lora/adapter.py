@@ -158,16 +158,13 @@ def _module_delta(
     module: str, pair: dict[str, torch.Tensor], config: Mapping[str, Any],
     linears: Mapping[str, tuple[int, int]], max_rank: int, dtype: torch.dtype,
 ) -> ModuleDelta:
-    if set(pair) != {"A", "B"}:
-        missing = "B" if "A" in pair else "A"
-        raise LoRAError(f"adapter module {module!r} has no lora_{missing} weight")
+    a, b = _a_and_b(module, pair)
     if module not in linears:
         raise LoRAError(
             f"adapter module {module!r} is not a linear layer (or experts module) this model "
             f"runs LoRA on (e.g. {next(iter(linears), 'none')!r}; embeddings and lm_head are not "
             "supported)"
         )
-    a, b = pair["A"], pair["B"]
     in_features, out_features = linears[module]
     rank = a.shape[0] if a.dim() == 2 else -1
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features \
@@ -177,11 +174,25 @@ def _module_delta(
             f"do not fit a [{out_features}, {in_features}] linear ([r, {in_features}] and "
             f"[{out_features}, r])"
         )
+    return _delta(f"module {module!r}", module, a, b, rank, config, max_rank, dtype)
+
+
+def _a_and_b(module: str, pair: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    if set(pair) != {"A", "B"}:
+        missing = "B" if "A" in pair else "A"
+        raise LoRAError(f"adapter module {module!r} has no lora_{missing} weight")
+    return pair["A"], pair["B"]
+
+
+def _delta(what: str, name: str, a: torch.Tensor, b: torch.Tensor, rank: int,
+           config: Mapping[str, Any], max_rank: int, dtype: torch.dtype) -> ModuleDelta:
+    """The delta of A and B (shapes checked), its rank and type checked, its scaling from the
+    config (`alpha_pattern` matched against `name`), in `dtype` on the host."""
     if rank > max_rank:
-        raise LoRAError(f"adapter module {module!r} has rank {rank} > max_lora_rank {max_rank}")
+        raise LoRAError(f"adapter {what} has rank {rank} > max_lora_rank {max_rank}")
     if not (a.is_floating_point() and b.is_floating_point()):
-        raise LoRAError(f"adapter module {module!r} holds non-float weights ({a.dtype})")
-    alpha = float(_pattern_value(module, config.get("alpha_pattern") or {},
+        raise LoRAError(f"adapter {what} holds non-float weights ({a.dtype})")
+    alpha = float(_pattern_value(name, config.get("alpha_pattern") or {},
                                  config.get("lora_alpha", 8)))
     scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
     if a.is_meta or b.is_meta:  # a manifest checked before its bytes come
@@ -202,10 +213,7 @@ def _experts_delta(
     experts: Mapping[str, tuple[int, int, int]], max_rank: int, dtype: torch.dtype,
 ) -> tuple[str, ModuleDelta]:
     """(the parameter's name, its per-expert deltas) of a PEFT ParamWrapper's pair."""
-    if set(pair) != {"A", "B"}:
-        missing = "B" if "A" in pair else "A"
-        raise LoRAError(f"adapter module {module!r} has no lora_{missing} weight")
-    a, b = pair["A"], pair["B"]
+    a, b = _a_and_b(module, pair)
     params = _experts_params(module, experts)
     if not params:
         raise LoRAError(f"adapter module {module!r} is not an experts module this model runs "
@@ -220,19 +228,9 @@ def _experts_delta(
     name = fits[0]
     num_experts, _, out_features = experts[name]
     rank = a.shape[0] // num_experts
-    if rank > max_rank:
-        raise LoRAError(f"adapter parameter {name!r} has rank {rank} > max_lora_rank {max_rank}")
-    if not (a.is_floating_point() and b.is_floating_point()):
-        raise LoRAError(f"adapter parameter {name!r} holds non-float weights ({a.dtype})")
-    alpha = float(_pattern_value(name, config.get("alpha_pattern") or {},
-                                 config.get("lora_alpha", 8)))
-    scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
     a = a.reshape(num_experts, rank, a.shape[1])  # rows are expert-major
     b = b.reshape(out_features, rank, num_experts).permute(2, 0, 1)  # columns rank-major
-    if a.is_meta or b.is_meta:
-        return name, ModuleDelta(a, b, scaling)
-    return name, ModuleDelta(a.detach().to("cpu", dtype).contiguous(),
-                             b.detach().to("cpu", dtype).contiguous(), scaling)
+    return name, _delta(f"parameter {name!r}", name, a, b, rank, config, max_rank, dtype)
 
 
 def _fits_experts(a: torch.Tensor, b: torch.Tensor, num_experts: int, in_features: int,
