@@ -116,6 +116,7 @@ def build_lora_weights(
     <parameter> -> (experts, in features, out features)`), and return its deltas in `dtype`
     (tensors on the meta device are checked only: a pushed adapter's manifest)."""
     _check_config(peft_config)
+    experts = experts or {}
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         match = _TENSOR_NAME.match(name)
@@ -127,10 +128,9 @@ def build_lora_weights(
         raise LoRAError("the adapter holds no LoRA weights")
     deltas = {}
     for module, pair in sorted(pairs.items()):
-        if module.endswith(_BASE_LAYER) or (module not in linears and _experts_params(
-                module, experts or {})):
-            name, delta = _experts_delta(module, pair, peft_config, experts or {}, max_rank,
-                                         dtype)
+        if module.endswith(_BASE_LAYER) or (module not in linears
+                                            and _experts_params(module, experts)):
+            name, delta = _experts_delta(module, pair, peft_config, experts, max_rank, dtype)
             if name in deltas:
                 raise LoRAError(f"adapter adapts {name!r} twice")
         else:

@@ -53,10 +53,8 @@ class ExpertsLoRAPoint:
         self.bt = [torch.zeros(num_experts, max_loras, max_rank, out_features, dtype=dtype,
                                device=device) for _, _, out_features in self.shapes]
         """Per parameter, B of every (expert, slot) transposed, the scaling folded in."""
-        self.ranks = torch.zeros(len(PARAMETERS), max_loras, dtype=torch.int64)
+        self.ranks = [[0] * max_loras for _ in PARAMETERS]
         """Per parameter and slot: its adapter's rank there (0: the adapter leaves it alone)."""
-        self.adapted = [False] * max_loras
-        """Per slot: whether its adapter targets these experts at all."""
         self._kernel_tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
@@ -80,13 +78,12 @@ class ExpertsLoRAPoint:
             if delta is not None:
                 a[:, slot, :rank] = delta.a
                 bt[:, slot, :rank] = (delta.b.float() * delta.scaling).transpose(1, 2)
-            self.ranks[i, slot] = rank
-        self.adapted[slot] = bool(self.ranks[:, slot].any())
+            self.ranks[i][slot] = rank
         self._kernel_tables = None
 
     def clear(self, slot: int) -> None:
-        self.ranks[:, slot] = 0
-        self.adapted[slot] = False
+        for ranks in self.ranks:
+            ranks[slot] = 0
         self._kernel_tables = None
 
     def move_into(self, allocate: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> None:
@@ -95,7 +92,7 @@ class ExpertsLoRAPoint:
 
     def runs(self) -> bool:
         """Whether the step being run has an adapter that targets these experts."""
-        return any(self.adapted[group.slot] for group in self.step.groups)
+        return any(ranks[group.slot] for group in self.step.groups for ranks in self.ranks)
 
     def forward(self, module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, packed=None) -> torch.Tensor:
@@ -115,14 +112,22 @@ class ExpertsLoRAPoint:
         expert_ends = _ends(experts, num_experts)
         lora_pairs = torch.nonzero(pair_slots >= 0).squeeze(1)
         groups = experts.index_select(0, lora_pairs) * slots + pair_slots.index_select(0, lora_pairs)
-        projections = [(module.gate_up_proj, None if packed is None else packed.gate_up),
-                       (module.down_proj, None if packed is None else packed.down)]
+        # Laid out once for both parameters: the experts' bounds for the packed GEMMs, the
+        # (expert, slot) groups for the BGMV kernel or for torch's grouped GEMMs.
+        expert_offsets = (None if packed is None
+                          else torch.cat([expert_ends.new_zeros(1), expert_ends]).long())
+        compiled = (hidden_states.device.type == "cpu" and cpu_extension.available()
+                    and hidden_states.dtype == self.a[0].dtype)
+        kernel_groups = _kernel_groups(groups) if compiled else None
+        group_ends = None if compiled else _ends(groups, num_experts * slots)
 
-        gate_up = _project(x, expert_ends, *projections[0])
-        self._add_deltas(0, x, gate_up, lora_pairs, groups)
+        gate_up = _project(x, module.gate_up_proj, expert_ends, expert_offsets,
+                           None if packed is None else packed.gate_up)
+        self._add_deltas(0, x, gate_up, lora_pairs, kernel_groups, group_ends)
         h = module._apply_gate(gate_up)
-        out = _project(h, expert_ends, *projections[1])
-        self._add_deltas(1, h, out, lora_pairs, groups)
+        out = _project(h, module.down_proj, expert_ends, expert_offsets,
+                       None if packed is None else packed.down)
+        self._add_deltas(1, h, out, lora_pairs, kernel_groups, group_ends)
 
         out = out * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
         unsorted = torch.empty_like(out)
@@ -130,21 +135,21 @@ class ExpertsLoRAPoint:
         return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
     def _add_deltas(self, parameter: int, x: torch.Tensor, out: torch.Tensor,
-                    lora_pairs: torch.Tensor, groups: torch.Tensor) -> None:
-        """out[pairs] += Bt^T (A x[pairs]), each pair with its (expert, slot) group's weights;
-        `groups` (the pairs' `expert * max_loras + slot`) do not decrease."""
+                    lora_pairs: torch.Tensor,
+                    kernel_groups: tuple[torch.Tensor, torch.Tensor] | None,
+                    group_ends: torch.Tensor | None) -> None:
+        """out[pairs] += Bt^T (A x[pairs]), each pair with its (expert, slot) group's weights:
+        through the BGMV kernel (`kernel_groups`, from `_kernel_groups`), or through torch's
+        grouped GEMMs (`group_ends`, where each group ends)."""
         a, bt = self.a[parameter].flatten(0, 1), self.bt[parameter].flatten(0, 1)
-        if x.device.type == "cpu" and cpu_extension.available() and x.dtype == a.dtype:
-            ids, counts = torch.unique_consecutive(groups, return_counts=True)
-            offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
-            torch.cumsum(counts, 0, out=offsets[1:])
+        if kernel_groups is not None:
+            ids, offsets = kernel_groups
             blocks, ranks = self._tables()[parameter]
             cpu_extension.lora_add(x.contiguous(), a, [bt], [out], lora_pairs, offsets, ids,
                                    blocks, ranks)
             return
         from transformers.integrations.moe import _grouped_linear
 
-        group_ends = _ends(groups, a.shape[0])
         shrunk = _grouped_linear(x.index_select(0, lora_pairs), a, group_ends)
         out.index_add_(0, lora_pairs,
                        _grouped_linear(shrunk, bt, group_ends, is_transposed=True))
@@ -155,23 +160,31 @@ class ExpertsLoRAPoint:
         if self._kernel_tables is None:
             num_experts = self.shapes[0][0]
             self._kernel_tables = []
-            for ranks in self.ranks:
-                ranks = ranks.repeat(num_experts)  # group e * slots + s -> the slot's rank
+            for ranks in self.ranks:  # group e * slots + s -> the slot's rank
+                ranks = torch.tensor(ranks * num_experts, dtype=torch.int64)
                 blocks = torch.where(ranks > 0, 0, -1).unsqueeze(1).contiguous()
                 self._kernel_tables.append((blocks, ranks.contiguous()))
         return self._kernel_tables
 
 
-def _project(x: torch.Tensor, expert_ends: torch.Tensor, weight: torch.Tensor,
-             packed: torch.Tensor | None) -> torch.Tensor:
-    """x [pairs, in] sorted by expert times each pair's expert's weight [E, out, in]."""
+def _project(x: torch.Tensor, weight: torch.Tensor, expert_ends: torch.Tensor,
+             expert_offsets: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+    """x [pairs, in] sorted by expert times each pair's expert's weight [E, out, in]: on its
+    packed copy (`moe_pack`) when there is one, else through transformers' grouped GEMMs."""
     if packed is not None:
-        offsets = torch.zeros(len(expert_ends) + 1, dtype=torch.int64)
-        offsets[1:] = expert_ends
-        return cpu_extension.moe_grouped_linear(x, offsets, packed, weight.shape[1])
+        return cpu_extension.moe_grouped_linear(x, expert_offsets, packed, weight.shape[1])
     from transformers.integrations.moe import _grouped_linear
 
     return _grouped_linear(x, weight, expert_ends)
+
+
+def _kernel_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The non-empty groups of a sorted group id tensor and where each starts (and the last
+    ends) among the pairs, int64: the BGMV kernel's `group_slots` and `group_offsets`."""
+    ids, counts = torch.unique_consecutive(groups, return_counts=True)
+    offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return ids, offsets
 
 
 def _ends(sorted_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
