@@ -6,8 +6,8 @@ every mode generates the same number of tokens) sampled plainly, then with (a) s
 that do not occur (every step detokenizes and searches, nothing stops), (b) presence,
 frequency and repetition penalties, (c) the top-20 logprobs of every position, (d) all of them
 together; and (e) top-k 50, (f) the same returning each token's sampling mask (what the masks
-cost is (f) against (e)). Modes alternate over `--repeats` rounds and each keeps its best round; the prefix
-cache is reset before every run, so each one prefills its prompts.
+cost is (f) against (e)). Modes alternate over `--repeats` rounds and each keeps its best
+round; the prefix cache is reset before every run, so each one prefills its prompts.
 
 Then `score`: the logprobs of the plain run's 64 completions given their prompts, against what
 a trainer computes without the engine: a Hugging Face forward of the same sequences (padded
