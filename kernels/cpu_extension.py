@@ -31,7 +31,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name
                         "batch_invariant_attention_cpu.cpp", "lora_cpu.cpp", "moe_experts_cpu.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name
            for name in ("cpu_vec.h", "batch_invariant_vec.h", "batch_invariant_amx.h",
-                        "batch_invariant_gemm.h")]
+                        "batch_invariant_dpbf16.h", "batch_invariant_gemm.h")]
 _NAME = "rollout_engine_cpu_attention"
 _ENV = "ROLLOUT_ENGINE_CPU_KERNEL"
 _lock = threading.Lock()

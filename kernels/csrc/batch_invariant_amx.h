@@ -29,6 +29,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "batch_invariant_dpbf16.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <cpuid.h>
 #include <immintrin.h>
@@ -157,12 +159,6 @@ inline void linear(const at::BFloat16*, int64_t, int64_t, const at::BFloat16*, i
 #endif
 
 // weight [N, K] bfloat16 -> [ceil(N / 16), Kp / 2, 16, 2], zeros past N and K.
-inline at::Tensor pack(const at::Tensor& weight) {
-  const int64_t N = weight.size(0), K = weight.size(1);
-  const int64_t panels = (N + kCols - 1) / kCols, Kp = round_up(std::max<int64_t>(K, 1), kTileK);
-  at::Tensor padded = at::zeros({panels * kCols, Kp}, weight.options());
-  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
-  return padded.view({panels, kCols, Kp / 2, 2}).permute({0, 2, 1, 3}).contiguous();
-}
+inline at::Tensor pack(const at::Tensor& weight) { return dpbf16::pack_pairs(weight, kTileK); }
 
 }  // namespace batch_invariant::amx

@@ -33,6 +33,7 @@
 #include <type_traits>
 
 #include "batch_invariant_amx.h"
+#include "batch_invariant_dpbf16.h"
 #include "batch_invariant_gemm.h"
 #include "batch_invariant_vec.h"
 
@@ -70,47 +71,60 @@ void linear_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const a
 }
 
 // weight [N, K] (any strides) -> [ceil(N / 16), K, 16], columns past N zero; bfloat16 where
-// the CPU has AMX: the tiles' layout, [ceil(N / 16), Kp / 2, 16, 2] (batch_invariant_amx.h).
+// the CPU has AMX or AVX512_BF16: k pairs, [ceil(N / 16), Kp / 2, 16, 2] (Kp: K rounded up to
+// 32 for the tiles, batch_invariant_amx.h, to 2 for vdpbf16ps, batch_invariant_dpbf16.h).
 at::Tensor batch_invariant_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "batch_invariant_pack: weight [N, K]");
   if (weight.scalar_type() == at::kBFloat16 && batch_invariant::amx::available())
     return batch_invariant::amx::pack(weight);
+  if (weight.scalar_type() == at::kBFloat16 && batch_invariant::dpbf16::available())
+    return batch_invariant::dpbf16::pack_pairs(weight, 2);
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
   at::Tensor padded = at::zeros({panels * kPanel, K}, weight.options());
   padded.narrow(0, 0, N).copy_(weight);
   return padded.view({panels, kPanel, K}).transpose(1, 2).contiguous();
 }
 
-// The AMX path of batch_invariant_linear_packed (a weight packed in the tiles' layout).
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                      const std::optional<at::Tensor>& bias) {
-  using batch_invariant::amx::kCols;
-  using batch_invariant::amx::kTileK;
-  using batch_invariant::amx::kTileRows;
-  TORCH_CHECK(batch_invariant::amx::available() && packed.scalar_type() == at::kBFloat16 &&
-                  packed.size(2) == kCols && packed.size(3) == 2 && packed.is_contiguous(),
-              "batch_invariant_linear: a weight packed for AMX tiles needs bfloat16 and AMX");
+// The bfloat16 paths of batch_invariant_linear_packed (a weight packed in k pairs): AMX tiles
+// where the CPU grants them, else AVX512_BF16's vdpbf16ps.
+at::Tensor pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                        const std::optional<at::Tensor>& bias) {
+  namespace amx = batch_invariant::amx;
+  namespace dpbf16 = batch_invariant::dpbf16;
+  const bool tiles = amx::available();
+  TORCH_CHECK((tiles || dpbf16::available()) && packed.scalar_type() == at::kBFloat16 &&
+                  packed.size(2) == amx::kCols && packed.size(3) == 2 && packed.is_contiguous(),
+              "batch_invariant_linear: a weight packed in k pairs needs bfloat16 and AMX or "
+              "AVX512_BF16");
   const int64_t M = x.size(0), K = x.size(1), Kp = packed.size(1) * 2, panels = packed.size(0);
-  TORCH_CHECK(K <= Kp && Kp - K < kTileK, "batch_invariant_linear: x has ", K,
-              " features, the packed weight ", Kp, " (padded)");
+  const int64_t k_multiple = tiles ? amx::kTileK : 2;
+  TORCH_CHECK(K <= Kp && Kp - K < k_multiple && Kp % k_multiple == 0, "batch_invariant_linear: "
+              "x has ", K, " features, the packed weight ", Kp, " (padded)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "batch_invariant_linear: x and weight dtypes differ");
-  TORCH_CHECK(out_features > (panels - 1) * kCols && out_features <= panels * kCols,
+  TORCH_CHECK(out_features > (panels - 1) * amx::kCols && out_features <= panels * amx::kCols,
               "batch_invariant_linear: ", out_features, " out features do not fit a packed "
               "weight of ", panels, " panels");
-  at::Tensor xp = at::zeros({batch_invariant::amx::round_up(M, 2 * kTileRows), Kp}, x.options());
-  xp.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
+  // The tiles read whole 32-row tiles of x; vdpbf16ps reads the rows there are.
+  const int64_t rows = tiles ? amx::round_up(M, 2 * amx::kTileRows) : M;
+  at::Tensor xp = x.contiguous();
+  if (K != Kp || rows != M) {
+    xp = at::zeros({rows, Kp}, x.options());
+    xp.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
+  }
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features,
                 "batch_invariant_linear: bias must be [N]");
-    b = at::zeros({panels * kCols}, x.options().dtype(at::kFloat));
+    b = at::zeros({panels * amx::kCols}, x.options().dtype(at::kFloat));
     b.narrow(0, 0, out_features).copy_(bias->to(at::kBFloat16));
   }
   at::Tensor out = at::empty({M, out_features}, x.options());
-  batch_invariant::amx::linear(xp.data_ptr<at::BFloat16>(), M, Kp,
-                               packed.data_ptr<at::BFloat16>(), panels,
-                               b.defined() ? b.data_ptr<float>() : nullptr,
-                               out.data_ptr<at::BFloat16>(), out.stride(0), out_features);
+  const auto* xs = xp.data_ptr<at::BFloat16>();
+  const auto* ws = packed.data_ptr<at::BFloat16>();
+  const float* bs = b.defined() ? b.data_ptr<float>() : nullptr;
+  auto* os = out.data_ptr<at::BFloat16>();
+  if (tiles) amx::linear(xs, M, Kp, ws, panels, bs, os, out.stride(0), out_features);
+  else dpbf16::linear(xs, M, Kp, ws, panels, bs, os, out.stride(0), out_features);
   return out;
 }
 
@@ -120,7 +134,7 @@ at::Tensor batch_invariant_linear_packed(const at::Tensor& x, const at::Tensor& 
                                          int64_t out_features,
                                          const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2, "batch_invariant_linear: x [M, K]");
-  if (packed.dim() == 4) return amx_linear(x, packed, out_features, bias);
+  if (packed.dim() == 4) return pairs_linear(x, packed, out_features, bias);
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
               "batch_invariant_linear: packed weight [ceil(N / 16), K, 16] from "
               "batch_invariant_pack");

@@ -70,6 +70,48 @@ def test_it_computes_the_linear_layer(dtype, tolerance):
                                atol=tolerance)
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":")[1].split()) for line in f
+                         if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def _pair_chain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                pairs: range) -> torch.Tensor:
+    """Each output as a float32 chain over the k pairs in the order given (each bfloat16
+    product is exact in float32, so `acc + x * w` rounds once, as the instruction does)."""
+    xf, wf = x.float(), weight.float()
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for i in pairs:
+        for k in (2 * i + 1, 2 * i):  # the odd product first, then the even one
+            if k < x.shape[1]:
+                acc = acc + xf[:, k, None] * wf[None, :, k]
+    return (acc + bias.float()).to(torch.bfloat16)
+
+
+@pytest.mark.skipif("avx512_bf16" not in _cpu_flags() or "amx_bf16" in _cpu_flags()
+                    or os.environ.get("ROLLOUT_ENGINE_BI_DPBF16") == "0",
+                    reason="needs AVX512_BF16 without AMX (AMX tiles go first)")
+def test_bfloat16_is_one_pair_dot_product_chain_per_output_on_avx512_bf16():
+    """Where the CPU has AVX512_BF16, bfloat16 weights are packed in k pairs and each output is
+    vdpbf16ps's chain over the pairs in increasing order: the bits of that chain, which a
+    different order of the same pairs does not give."""
+    from kernels import cpu_extension
+    generator = torch.Generator().manual_seed(5)
+    x, weight, bias = (torch.randn(*shape, generator=generator).to(torch.bfloat16)
+                       for shape in ((12, 1001), (40, 1001), (40,)))
+    # The second half of k cancels the first: what is left is the chain's rounding, which
+    # depends on the order (a sum of random terms hides it under the bfloat16 rounding).
+    x[:, 500:1000], weight[:, 500:1000], bias = x[:, :500], -weight[:, :500], bias * 1e-3
+    assert cpu_extension.batch_invariant_pack(weight).shape == (3, 501, 16, 2)  # K odd: a zero
+    out = linear(x, weight, bias)
+    assert torch.equal(out, _pair_chain(x, weight, bias, range(501)))
+    assert not torch.equal(out, _pair_chain(x, weight, bias, range(500, -1, -1)))
+
+
 def test_gradients_are_right():
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(5, 19, dtype=torch.float64, generator=generator, requires_grad=True)
@@ -254,8 +296,9 @@ torch.save(outs, out)
 def test_the_bits_do_not_depend_on_the_vector_width(tmp_path):
     """The AVX-512 build (this machine's -march=native), an AVX2 build and the portable loops
     follow one order: their linear layers and attention (its exp included) are equal, bit for
-    bit (each variant builds in its own process). AMX tiles, which round bfloat16 sums their own
-    way, are off here; the other tests run them where the CPU has them."""
+    bit (each variant builds in its own process). AMX tiles and AVX512_BF16's pair dot product,
+    which round bfloat16 sums their own way, are off here; the other tests run them where the
+    CPU has them."""
     root = Path(__file__).resolve().parents[2]
     variants = {"native": [], "bi_test_avx2": ["-O2", "-mavx2", "-mfma", "-mf16c"],
                 "bi_test_portable": ["-O2"]}
@@ -263,7 +306,8 @@ def test_the_bits_do_not_depend_on_the_vector_width(tmp_path):
     for name, flags in variants.items():
         out = tmp_path / f"{name}.pt"
         subprocess.run([sys.executable, "-c", _VARIANT, name, str(out), *flags], cwd=root,
-                       check=True, timeout=300, env={**os.environ, "ROLLOUT_ENGINE_BI_AMX": "0"})
+                       check=True, timeout=300, env={**os.environ, "ROLLOUT_ENGINE_BI_AMX": "0",
+                                                    "ROLLOUT_ENGINE_BI_DPBF16": "0"})
         results[name] = torch.load(out)
     for name in variants:
         assert all(torch.equal(a, b) for a, b in zip(results["native"], results[name],
