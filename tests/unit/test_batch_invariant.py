@@ -191,6 +191,9 @@ def test_attention_is_sdpa_with_each_querys_bits_fixed_by_its_visible_keys(dtype
                                  attn_mask=additive), left)
     assert torch.equal(attention(q[1:, :, 30:31], k[1:, :, :31], v[1:, :, :31]),
                        causal[1:, :, 30:31])
+    if dtype == torch.bfloat16:  # float32 math on the widened values, rounded at the end
+        assert torch.equal(attention(q.float(), k.float(), v.float(), is_causal=True).to(dtype),
+                           causal)
     # A mask of its own per head: each query head alone instead of with its key/value head's
     # other queries; the same bits.
     per_head = visible.expand(2, 4, 47, 47).contiguous()
