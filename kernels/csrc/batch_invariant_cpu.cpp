@@ -22,6 +22,10 @@
 // consecutive weights and broadcasts one x per row: an outer-product micro-kernel of kRows rows
 // x kPanels panels of accumulators, all in registers for the whole of K (no tree, no split of
 // K). Rows are cut into chunks of kRowChunk and chunks x panel groups are spread over threads.
+//
+// bfloat16 on a CPU with AMX or AVX512_BF16 runs their pair dot products instead, in an order
+// of their own that is just as fixed (batch_invariant_amx.h, batch_invariant_dpbf16.h): there
+// bf16 bits differ from the FMA chain's, and so from those of a CPU without the unit.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>

@@ -17,7 +17,7 @@
 // the bfloat16 GEMM at oneDNN's speed on CPUs without AMX.
 //
 // Layouts: x is copied to [M, Kp] (Kp = K rounded up to even, a zero past K); the weight is
-// packed as [ceil(N / 16), Kp / 2, 16, 2] (the AMX layout, `pack_pairs` with pairs rounded to 1).
+// packed as [ceil(N / 16), Kp / 2, 16, 2] (the AMX layout, with K rounded up to 2, not 32).
 //
 // ROLLOUT_ENGINE_BI_DPBF16=0 turns the path off (the portable order then runs for bfloat16).
 
