@@ -221,4 +221,50 @@ inline V load_group(const scalar_t* p, int64_t valid) {
   return V::load(padded);
 }
 
+template <typename scalar_t>
+inline float dot(const float* q, const scalar_t* k, int64_t dim) {
+  Vec16 acc = Vec16::zero();
+  for (int64_t d = 0; d < dim; d += kLanes)
+    acc = Vec16::fma(load_group<Vec16>(q + d, dim - d), load_group<Vec16>(k + d, dim - d), acc);
+  return acc.tree_sum();
+}
+
+// out[j] = dot(q, keys[j], dim) for the sixteen keys of a whole group, bit for bit: with
+// AVX-512 and a head dim of whole vectors, the sixteen FMA chains side by side, then
+// `tree_sum`'s additions (lanes i + i+8, i + i+4, i + i+2, i + i+1) for all sixteen keys at
+// once, each level adding the same lanes it adds for one key, shuffled into fewer registers
+// (a key's sum ends at lane kOrder[key], put back in key order at the end).
+template <typename scalar_t>
+inline void dot16(const float* q, const scalar_t* const* keys, int64_t dim, float* out) {
+#if defined(__AVX512F__)
+  if (dim % kLanes == 0) {
+    __m512 acc[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += kLanes) {
+      const __m512 qv = _mm512_loadu_ps(q + d);
+      for (int64_t j = 0; j < kLanes; ++j)
+        acc[j] = _mm512_fmadd_ps(qv, Vec16::load(keys[j] + d).v, acc[j]);
+    }
+    __m512 r1[8], r2[4], r3[2];
+    for (int p = 0; p < 8; ++p)  // keys p | p + 8: lanes i + i+8 of each
+      r1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[p], acc[p + 8], 0x44),
+                            _mm512_shuffle_f32x4(acc[p], acc[p + 8], 0xEE));
+    for (int p = 0; p < 4; ++p)  // keys p | p + 8 | p + 4 | p + 12: lanes i + i+4
+      r2[p] = _mm512_add_ps(_mm512_shuffle_f32x4(r1[p], r1[p + 4], 0x88),
+                            _mm512_shuffle_f32x4(r1[p], r1[p + 4], 0xDD));
+    for (int p = 0; p < 2; ++p)  // two keys per 128-bit lane: lanes i + i+2
+      r3[p] = _mm512_add_ps(_mm512_shuffle_ps(r2[p], r2[p + 2], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_ps(r2[p], r2[p + 2], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 r4 =  // lanes i + i+1: keys 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15
+        _mm512_add_ps(_mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                      _mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i kOrder = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13,
+                                             15);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(kOrder, r4));
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < kLanes; ++j) out[j] = dot(q, keys[j], dim);
+}
+
 }  // namespace batch_invariant
