@@ -31,6 +31,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "batch_invariant_gemm.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define BATCH_INVARIANT_DPBF16 1
@@ -38,10 +40,10 @@
 
 namespace batch_invariant::dpbf16 {
 
-constexpr int64_t kCols = 16;       // output columns per panel
+constexpr int64_t kCols = kPanel;   // output columns per panel (the FMA chain's panels)
 constexpr int64_t kRows = 8;        // rows of accumulators in registers
 constexpr int64_t kPanels = 2;      // panels of accumulators in registers
-constexpr int64_t kRowChunk = 96;   // rows per parallel work item (a multiple of kRows)
+static_assert(kRowChunk % kRows == 0, "a work item's rows are whole register blocks");
 
 // weight [N, K] bfloat16 -> [ceil(N / 16), Kp / 2, 16, 2], Kp = K rounded up to `k_multiple`
 // (even), zeros past N and K: each panel's rows of k pairs, 16 columns each.

@@ -23,6 +23,7 @@ from rollout_engine.batch_invariant import (
     packed_weights_bytes,
     set_batch_invariant_mode,
 )
+from rollout_engine.worker.weights.loader import cpu_computes_bf16
 from tests.unit.test_paged_attention_cpu import require_kernel
 
 SHAPES = [(64, 128), (100, 37), (512, 1536), (1000, 3)]  # (K, N): K off the 16-lane groups too
@@ -70,15 +71,6 @@ def test_it_computes_the_linear_layer(dtype, tolerance):
                                atol=tolerance)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":")[1].split()) for line in f
-                         if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
 def _pair_chain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                 pairs: range) -> torch.Tensor:
     """Each output as a float32 chain over the k pairs in the order given (each bfloat16
@@ -92,7 +84,7 @@ def _pair_chain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     return (acc + bias.float()).to(torch.bfloat16)
 
 
-@pytest.mark.skipif("avx512_bf16" not in _cpu_flags() or "amx_bf16" in _cpu_flags()
+@pytest.mark.skipif(not cpu_computes_bf16() or torch.cpu._is_amx_tile_supported()
                     or os.environ.get("ROLLOUT_ENGINE_BI_DPBF16") == "0",
                     reason="needs AVX512_BF16 without AMX (AMX tiles go first)")
 def test_bfloat16_is_one_pair_dot_product_chain_per_output_on_avx512_bf16():
