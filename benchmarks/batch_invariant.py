@@ -15,6 +15,7 @@ Three parts, each side by side with the default path in the same run (`--skip` a
 
     python -m benchmarks.batch_invariant --threads 2
     python -m benchmarks.batch_invariant --skip engine      # kernels and trainer only
+    python -m benchmarks.batch_invariant --device cuda --size 0.5b   # the Triton kernels
 """
 
 from __future__ import annotations
@@ -39,11 +40,18 @@ ROWS = (1, 16, 64, 256)
 DTYPES = ("float32", "bfloat16")
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def seconds_per_call(fn, repeats: int) -> float:
     fn()
+    _sync()
     start = time.perf_counter()
     for _ in range(repeats):
         fn()
+    _sync()
     return (time.perf_counter() - start) / repeats
 
 
@@ -62,9 +70,9 @@ def bench_linear(args: argparse.Namespace) -> None:
     for dtype_name in DTYPES:
         dtype = getattr(torch, dtype_name)
         for name, n, k in SHAPES:
-            weight = torch.randn(n, k).to(dtype)
+            weight = torch.randn(n, k).to(args.device, dtype)
             for m in ROWS:
-                x = torch.randn(m, k).to(dtype)
+                x = torch.randn(m, k).to(args.device, dtype)
                 plain = seconds_per_call(lambda: F.linear(x, weight), args.repeats)  # noqa: B023
                 # The weight packed once and reused, as the engine runs it (a trainer packs at
                 # every call: a copy of the weight, small against its GEMMs of thousands of rows).
@@ -85,7 +93,7 @@ def bench_linear(args: argparse.Namespace) -> None:
 
 def engine_tokens_per_s(model_dir: str, prompts: list[list[int]], n: int, max_tokens: int,
                         dtype: str, batch_invariant: bool, args: argparse.Namespace) -> float:
-    llm = LLM(model_dir, dtype=dtype, batch_invariant=batch_invariant,
+    llm = LLM(model_dir, dtype=dtype, batch_invariant=batch_invariant, device=args.device,
               max_num_seqs=len(prompts) * n, kv_cache_bytes=2 * 1024**3,
               cpu_threads=args.threads)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up
@@ -94,6 +102,7 @@ def engine_tokens_per_s(model_dir: str, prompts: list[list[int]], n: int, max_to
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     seconds = time.perf_counter() - start
+    llm.shutdown()
     return sum(len(c.token_ids) for o in outputs for c in o.outputs) / seconds
 
 
@@ -134,6 +143,7 @@ def bench_trainer(args: argparse.Namespace, model_dir: str, vocab_size: int) -> 
     for row in range(args.trainer_rows):  # left-padded prompts of random length
         mask[row, :int(torch.randint(0, args.max_prompt_len - args.min_prompt_len + 1, (1,),
                                      generator=generator))] = 0
+    ids, mask = ids.to(args.device), mask.to(args.device)
 
     def plain_step(model) -> None:
         logits = model(input_ids=ids, attention_mask=mask).logits[:, -args.max_tokens - 1:-1]
@@ -150,7 +160,7 @@ def bench_trainer(args: argparse.Namespace, model_dir: str, vocab_size: int) -> 
     print("|---|---:|---:|---:|")
     for dtype in DTYPES:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
-                                                     attn_implementation="sdpa")
+                                                     attn_implementation="sdpa").to(args.device)
         plain = seconds_per_call(lambda: plain_step(model), args.trainer_repeats)  # noqa: B023
         invariant = seconds_per_call(lambda: invariant_step(model),  # noqa: B023
                                      args.trainer_repeats)
@@ -162,6 +172,7 @@ def main() -> None:
     add_model_args(parser)
     add_grpo_workload_args(parser, max_tokens=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (the Triton kernels)")
     parser.add_argument("--repeats", type=int, default=30, help="linear layer calls timed")
     parser.add_argument("--long-num-prompts", type=int, default=2)
     parser.add_argument("--long-n", type=int, default=4)
@@ -171,7 +182,8 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], choices=["linear", "engine", "trainer"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"threads {args.threads}; model {args.model or f'{args.arch}/{args.size}'}")
+    print(f"device {args.device}; threads {args.threads}; "
+          f"model {args.model or f'{args.arch}/{args.size}'}")
     if "linear" not in args.skip:
         bench_linear(args)
     with tempfile.TemporaryDirectory() as tmp:

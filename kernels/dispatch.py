@@ -13,6 +13,7 @@ import torch
 from kernels.attention_metadata import AttentionMetadata
 from kernels.paged_attention_cpu import paged_attention_cpu, store_kv_cache_cpu
 from kernels.paged_attention_ref import paged_attention_ref, store_kv_cache_ref
+from kernels.triton_utils import batch_invariant_runs_triton
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -69,8 +70,15 @@ def _paged_attention_batch_invariant(query, key_cache, value_cache, metadata, sc
                                      sliding_window, softcap, sinks) -> torch.Tensor:
     from kernels import cpu_extension
 
+    if batch_invariant_runs_triton(query):
+        from kernels import triton_batch_invariant
+
+        with _on_device(query):
+            return triton_batch_invariant.paged_attention(
+                query, key_cache, value_cache, metadata, scale, sliding_window, softcap, sinks)
     if query.device.type != "cpu" or not cpu_extension.available():
-        raise RuntimeError("batch-invariant attention runs on the CPU with the compiled kernels")
+        raise RuntimeError("batch-invariant attention runs on the CPU with the compiled kernels "
+                           "or on CUDA with Triton")
     if softcap or sinks is not None:
         raise NotImplementedError("batch-invariant attention has no softcap or sinks yet")
     return cpu_extension.batch_invariant_paged_attention(

@@ -13,6 +13,14 @@ def is_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def batch_invariant_runs_triton(t: torch.Tensor) -> bool:
+    """Whether the batch-invariant ops on `t` run the Triton kernels
+    (`kernels/triton_batch_invariant.py`): CUDA tensors, and CPU tensors under
+    TRITON_INTERPRET=1 with ROLLOUT_ENGINE_BI_TRITON=1 (how the tests run them without a GPU)."""
+    return t.is_cuda or (t.device.type == "cpu" and is_interpreting()
+                         and os.environ.get("ROLLOUT_ENGINE_BI_TRITON") == "1")
+
+
 def check_device(*tensors: torch.Tensor) -> None:
     """Triton needs CUDA tensors, or CPU tensors when interpreting."""
     if is_interpreting():

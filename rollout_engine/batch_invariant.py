@@ -24,14 +24,20 @@ positions the engine uses (counted from each sequence's first token):
     with set_batch_invariant_mode():
         logits = model(input_ids, attention_mask=mask, position_ids=positions).logits
 
-Covered: linear layers (float32, bfloat16, float16, float64) and attention (float32, bfloat16,
-float16) on the CPU; the native decoder and the transformers backend. Not yet: CUDA, attention
-softcap and sinks.
+On CUDA the same ops run Triton kernels (`kernels/triton_batch_invariant.py`), and the row
+reductions whose CUDA kernels split a row by the batch's size run there too: `mean` over the last
+dimension (an RMSNorm's), `log_softmax` and `softmax` over it. Their bits are the GPU's own,
+not the CPU kernels'.
+
+Covered: linear layers (float32, bfloat16, float16; float64 on the CPU) and attention (float32,
+bfloat16, float16); the native decoder and the transformers backend. Not yet: attention softcap
+and sinks on the CPU; on CUDA, sdpa masks other than padded causal ones.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import threading
 import weakref
 from collections.abc import Iterator
@@ -42,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 
 from kernels import cpu_extension
 from kernels.dispatch import batch_invariant_attention
+from kernels.triton_utils import batch_invariant_runs_triton as runs_triton
 
 
 class BatchInvariantUnavailableError(RuntimeError):
@@ -52,7 +59,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` (x [..., K], weight [N, K], bias [N]) with every output in one fixed order;
     differentiable."""
-    _require_kernels(x, weight)
+    _require_kernels(x, weight, *(() if bias is None else (bias,)))
     return _Linear.apply(x, weight, bias)
 
 
@@ -62,6 +69,11 @@ class _Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         rows = x.reshape(-1, x.shape[-1])
+        if runs_triton(x):
+            from kernels import triton_batch_invariant
+
+            out = triton_batch_invariant.linear(rows, weight, bias)
+            return out.reshape(*x.shape[:-1], weight.shape[0])
         if getattr(_state, "reuse_packed", False):
             packed = _PACKED.get(weight)
         else:
@@ -205,6 +217,11 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, query, key, value, visible, is_causal, scale):
         ctx.save_for_backward(query, key, value, visible)
         ctx.is_causal, ctx.scale = is_causal, scale
+        if runs_triton(query):
+            from kernels import triton_batch_invariant
+
+            return triton_batch_invariant.dense_attention(query, key, value, visible, is_causal,
+                                                          scale)
         return cpu_extension.batch_invariant_attention(query, key, value, visible, is_causal,
                                                        scale)
 
@@ -229,20 +246,81 @@ class _Attention(torch.autograd.Function):
 
 
 def _require_kernels(*tensors: torch.Tensor) -> None:
-    if any(t.device.type != "cpu" for t in tensors):
+    """The kernels for these tensors can run (with none: the kernels of some device can)."""
+    devices = {t.device.type for t in tensors}
+    if len(devices) > 1:
+        raise BatchInvariantUnavailableError(f"tensors on several devices: {sorted(devices)}")
+    triton_ok = importlib.util.find_spec("triton") is not None
+    if tensors and runs_triton(tensors[0]):
+        if not triton_ok:
+            raise BatchInvariantUnavailableError(
+                "the batch-invariant kernels on CUDA need Triton (pip install triton)")
+        return
+    if devices - {"cpu"}:
         raise BatchInvariantUnavailableError(
-            "the batch-invariant kernels run on the CPU only (got "
-            f"{sorted({t.device.type for t in tensors})})")
-    if not cpu_extension.available():
+            f"the batch-invariant kernels run on the CPU and CUDA only (got {sorted(devices)})")
+    if not cpu_extension.available() and (tensors or not triton_ok):
         raise BatchInvariantUnavailableError(
             "the batch-invariant kernels need the compiled CPU kernels (`make cpu-kernel`; a "
             "C++ compiler; ROLLOUT_ENGINE_CPU_KERNEL not 0)")
+
+
+def _row_op(func, op: str, params: tuple[str, ...]):
+    """`func` (a mean or a softmax) through the Triton kernel `op` where it reduces the last
+    dimension of a tensor on the Triton path, else as it is. `params`: the names of `func`'s
+    positional parameters after the tensor."""
+    def run(x, *args, **kwargs):
+        bound = dict(zip(params, args, strict=False)) | kwargs
+        dim = bound.get("dim")
+        if isinstance(dim, (tuple, list)) and len(dim) == 1:
+            dim = dim[0]
+        if (isinstance(x, torch.Tensor) and runs_triton(x) and isinstance(dim, int)
+                and x.dim() and dim in (-1, x.dim() - 1)):
+            rows = x if bound.get("dtype") is None else x.to(bound["dtype"])
+            if rows.dtype in (torch.float32, torch.bfloat16, torch.float16):
+                return _RowOp.apply(rows, op, bool(bound.get("keepdim", False)))
+        return func(x, *args, **kwargs)
+    return run
+
+
+class _RowOp(torch.autograd.Function):
+    """A last-dimension reduction through the Triton kernel; the backward in plain torch ops."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, op: str, keepdim: bool):
+        from kernels import triton_batch_invariant as tbi
+
+        ctx.op, ctx.keepdim, ctx.length = op, keepdim, x.shape[-1]
+        if op == "mean":
+            return tbi.mean_last_dim(x, keepdim)
+        out = tbi.log_softmax(x) if op == "log_softmax" else tbi.softmax(x)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.op == "mean":
+            grad = grad if ctx.keepdim else grad.unsqueeze(-1)
+            return grad.expand(*grad.shape[:-1], ctx.length) / ctx.length, None, None
+        (out,) = ctx.saved_tensors
+        if ctx.op == "log_softmax":
+            return grad - out.exp() * grad.sum(-1, keepdim=True), None, None
+        return out * (grad - (grad * out).sum(-1, keepdim=True)), None, None
 
 
 _ROUTES = {
     F.linear: linear, torch._C._nn.linear: linear, torch._grouped_mm: grouped_mm,
     F.scaled_dot_product_attention: attention,
     torch._C._nn.scaled_dot_product_attention: attention,
+    # Reductions over a row: CUDA's kernels split a row among threads by the number of rows.
+    torch.mean: _row_op(torch.mean, "mean", ("dim", "keepdim")),
+    torch.Tensor.mean: _row_op(torch.Tensor.mean, "mean", ("dim", "keepdim")),
+    torch.log_softmax: _row_op(torch.log_softmax, "log_softmax", ("dim", "dtype")),
+    torch.Tensor.log_softmax: _row_op(torch.Tensor.log_softmax, "log_softmax", ("dim", "dtype")),
+    F.log_softmax: _row_op(F.log_softmax, "log_softmax", ("dim", "_stacklevel", "dtype")),
+    torch.softmax: _row_op(torch.softmax, "softmax", ("dim", "dtype")),
+    torch.Tensor.softmax: _row_op(torch.Tensor.softmax, "softmax", ("dim", "dtype")),
+    F.softmax: _row_op(F.softmax, "softmax", ("dim", "_stacklevel", "dtype")),
 }
 if hasattr(F, "grouped_mm"):  # torch >= 2.10
     _ROUTES[F.grouped_mm] = grouped_mm

@@ -55,8 +55,9 @@ class ModelConfig:
     batch_invariant: bool = False
     """Every step in `rollout_engine.batch_invariant`'s mode: linear layers and attention whose
     bits do not depend on the batch, the chunking or the prefix cache, so a token's logprob
-    equals what a trainer computes under `set_batch_invariant_mode()`. CPU only; turns the
-    packed oneDNN weights off (their GEMMs reduce by shape)."""
+    equals what a trainer computes under `set_batch_invariant_mode()`. CPU (turns the packed
+    oneDNN weights off: their GEMMs reduce by shape) or CUDA (Triton kernels, no CUDA graphs
+    so far)."""
     cuda_graphs: bool = False
     """Replay plain decode steps from CUDA graphs, one per batch-size bucket (vLLM's
     default; its `enforce_eager` turns them off). Off by default until a GPU run has shown
@@ -75,8 +76,10 @@ class ModelConfig:
                  f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         _require(self.model_impl in MODEL_IMPLS,
                  f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
-        _require(not self.batch_invariant or (self.device == "cpu" and not self.cuda_graphs),
-                 "batch_invariant runs on the CPU (without CUDA graphs) so far")
+        _require(not self.batch_invariant or not self.cuda_graphs,
+                 "batch_invariant runs without CUDA graphs so far (turn cuda_graphs off)")
+        _require(not self.batch_invariant or self.device.split(":")[0] in ("cpu", "cuda"),
+                 f"batch_invariant runs on the CPU or CUDA, not {self.device!r}")
         _require(self.cpu_threads is None or self.cpu_threads >= 1,
                  f"cpu_threads must be >= 1 or None, got {self.cpu_threads}")
 

@@ -48,6 +48,7 @@ TEST_GROUPS=(
   "lora|tests/gpu/test_lora_cuda.py"
   "moe experts|tests/gpu/test_moe_cuda.py"
   "routed experts|tests/gpu/test_routed_experts_cuda.py tests/gpu/test_routing_replay_cuda.py"
+  "batch invariance|tests/gpu/test_batch_invariant_cuda.py"
 )
 
 SUMMARY=()
@@ -181,6 +182,8 @@ run_bench async_scheduling 60 -m benchmarks.async_scheduling --device cuda --siz
 run_bench host_overhead 40 -m benchmarks.host_overhead --device cuda --repeats 50
 run_bench sleep_wake 60 -m benchmarks.sleep_wake --device cuda --size 0.5b --kv-cache-mib 4096 \
   --repeats 3 --threads 4
+run_bench batch_invariant 120 -m benchmarks.batch_invariant --device cuda --size 0.5b \
+  --num-prompts 16 --long-tokens 1024 --trainer-rows 8 --repeats 10
 # benchmarks.spec_decode is left out: its copy model trains on the CPU first (minutes).
 
 {

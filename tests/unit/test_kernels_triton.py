@@ -78,18 +78,25 @@ def test_kernels_call_only_triton_builtins(triton_kernels):
     # triton.language's own jit helpers (tl.max, tl.cdiv, ...) are compiled or interpreted
     # depending on the mode at Triton's first import; a kernel calling them would break
     # whenever that mode differs from the one its module was imported in.
+    modules = (triton_kernels.attention, triton_kernels.store, triton_kernels.lora)
+    used, jit_helpers = triton_language_use(*modules)
+    assert {"dot", "load", "store", "reduce"} <= used
+    assert not jit_helpers, f"kernels call triton.language jit helpers: {jit_helpers}"
+
+
+def triton_language_use(*modules) -> tuple[set[str], list[str]]:
+    """The `tl.` names the modules use, and those of them that are triton.language's jit
+    helpers rather than builtins."""
     import triton.language as tl
     from triton.runtime.jit import KernelInterface
 
     used: set[str] = set()
-    for module in (triton_kernels.attention, triton_kernels.store, triton_kernels.lora):
+    for module in modules:
         tree = ast.parse(inspect.getsource(module))
         used |= {node.attr for node in ast.walk(tree)
                  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                  and node.value.id == "tl"}
-    assert {"dot", "load", "store", "reduce"} <= used
-    jit_helpers = sorted(name for name in used if isinstance(getattr(tl, name), KernelInterface))
-    assert not jit_helpers, f"kernels call triton.language jit helpers: {jit_helpers}"
+    return used, sorted(name for name in used if isinstance(getattr(tl, name), KernelInterface))
 
 
 def attend(kernels_ns, case, config=None):

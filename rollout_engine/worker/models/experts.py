@@ -9,7 +9,8 @@ the packed linears of `packed_linear.PackedModuleLinears`), a supported module r
 rows through its own packed weights, spread over the threads by (expert, rows, columns). Everything
 else on the CPU (weights not packed, a layout or activation the kernel does not have) runs
 transformers' own `grouped_mm` implementation, the default it replaces; on CUDA, the same layout
-runs our Triton fused MoE (`kernels/triton_moe.py`).
+runs our Triton fused MoE (`kernels/triton_moe.py`), except in batch-invariant mode (its tiles
+follow the batch; `grouped_mm` then runs each expert through the invariant linear layer).
 
 Measured on two AVX-512 cores (8 experts, 2 per token, hidden 512, expert width 344): float32
 3.2x `grouped_mm` at 64 tokens, 1.3x at 1,024; bfloat16 1.6x at 64 tokens but slower than oneDNN's
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from kernels import cpu_extension
+from rollout_engine.batch_invariant import is_batch_invariant_mode_enabled
 
 EXPERTS_NAME = "rollout_engine"
 """Our entry in transformers' `ExpertsInterface`."""
@@ -115,7 +117,8 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     if packed is not None:
         return cpu_extension.moe_experts(hidden_states, top_k_index, top_k_weights,
                                          packed.gate_up, packed.down, packed.intermediate_size)
-    if hidden_states.is_cuda and not torch.is_grad_enabled() and _triton_serves(module):
+    if (hidden_states.is_cuda and not torch.is_grad_enabled() and _triton_serves(module)
+            and not is_batch_invariant_mode_enabled()):  # its tiles follow the batch
         from kernels.triton_moe import fused_moe_triton
 
         return fused_moe_triton(hidden_states, top_k_index, top_k_weights,
