@@ -169,9 +169,11 @@ def _row_softmax_kernel(out_ptr, x_ptr, N, stride_x, stride_o, LOG: tl.constexpr
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dim] with unit stride along a row (the row kernels' layout)."""
     check_device(x)
     _check_dtype(x)
-    return x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
 
 
 def mean_last_dim(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:

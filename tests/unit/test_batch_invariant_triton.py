@@ -80,6 +80,8 @@ def test_row_reductions_do_not_depend_on_the_batch_and_compute_torchs(tbi):
             assert torch.equal(ours(x[row:row + 1]), full[row:row + 1]), (name, row)
         torch.testing.assert_close(full, theirs(x), atol=2e-5, rtol=1e-5, msg=name)
     assert torch.isneginf(tbi.log_softmax(x)[3, 100:2000]).all()
+    strided = x[:, ::2]  # a view whose rows are not contiguous
+    assert torch.equal(tbi.mean_last_dim(strided), tbi.mean_last_dim(strided.contiguous()))
 
 
 def sub_batch(case, rows_of: dict[int, tuple[int, int]]):
