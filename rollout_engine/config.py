@@ -76,10 +76,9 @@ class ModelConfig:
                  f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         _require(self.model_impl in MODEL_IMPLS,
                  f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
-        _require(not self.batch_invariant or not self.cuda_graphs,
-                 "batch_invariant runs without CUDA graphs so far (turn cuda_graphs off)")
-        _require(not self.batch_invariant or self.device.split(":")[0] in ("cpu", "cuda"),
-                 f"batch_invariant runs on the CPU or CUDA, not {self.device!r}")
+        _require(not self.batch_invariant or (self.device.split(":")[0] in ("cpu", "cuda")
+                                              and not self.cuda_graphs),
+                 "batch_invariant runs on the CPU or CUDA, without CUDA graphs so far")
         _require(self.cpu_threads is None or self.cpu_threads >= 1,
                  f"cpu_threads must be >= 1 or None, got {self.cpu_threads}")
 
