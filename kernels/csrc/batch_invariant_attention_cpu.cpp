@@ -187,6 +187,18 @@ void attend(const float* const* queries, int64_t num_queries, int64_t dim,
   attend_finish<scalar_t>(st, num_queries, value_dim, count > 0, outs);
 }
 
+// Whether a mask row's visible keys are one run [first, first + count) (causal, padding).
+inline bool visible_run(const bool* row, int64_t stride, int64_t length, int64_t& first,
+                        int64_t& count) {
+  int64_t j = 0;
+  while (j < length && !row[j * stride]) ++j;
+  first = j;
+  while (j < length && row[j * stride]) ++j;
+  count = j - first;
+  while (j < length && !row[j * stride]) ++j;
+  return j == length;
+}
+
 template <typename scalar_t>
 void dense_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor* mask, bool is_causal, float scale, at::Tensor& out) {
@@ -203,7 +215,10 @@ void dense_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t together = mp == nullptr || mask->stride(1) == 0 ? per_kv : 1;
   const int64_t head_groups = H / together;
   at::parallel_for(0, B * head_groups * Lq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<const scalar_t*> keys, values;
+    // Row pointers of every key and value of the current (b, hk), built once for all its
+    // queries: a query whose visible keys are one run (causal, padding) reads a sub-range.
+    std::vector<const scalar_t*> all_keys(Lk), all_values(Lk), keys, values;
+    int64_t rows_of = -1;
     std::vector<float> qf(together * D), acc(together * Dv), state(2 * together);
     std::vector<const float*> queries(together);
     std::vector<scalar_t*> outs(together);
@@ -217,22 +232,29 @@ void dense_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         queries[g] = qf.data() + g * D;
         outs[g] = op + ((b * H + h0 + g) * Lq + i) * Dv;
       }
-      const scalar_t* kbase = kp + b * k.stride(0) + hk * k.stride(1);
-      const scalar_t* vbase = vp + b * v.stride(0) + hk * v.stride(1);
       const bool* mrow = mp ? mp + b * mask->stride(0) + h0 * mask->stride(1) +
                                   i * mask->stride(2)
                             : nullptr;
-      keys.clear();
-      values.clear();
-      const int64_t last = mrow == nullptr && is_causal ? std::min(i + 1, Lk) : Lk;
-      for (int64_t j = 0; j < last; ++j) {
-        if (mrow != nullptr && !mrow[j * mask->stride(3)]) continue;
-        keys.push_back(kbase + j * k.stride(2));
-        values.push_back(vbase + j * v.stride(2));
+      if (b * Hk + hk != rows_of) {
+        for (int64_t j = 0; j < Lk; ++j) {
+          all_keys[j] = kp + b * k.stride(0) + hk * k.stride(1) + j * k.stride(2);
+          all_values[j] = vp + b * v.stride(0) + hk * v.stride(1) + j * v.stride(2);
+        }
+        rows_of = b * Hk + hk;
       }
-      attend<scalar_t>(queries.data(), together, D, keys.data(), values.data(),
-                       static_cast<int64_t>(keys.size()), Dv, scale, acc.data(), state.data(),
-                       outs.data());
+      int64_t first = 0, count = mrow == nullptr && is_causal ? std::min(i + 1, Lk) : Lk;
+      const scalar_t* const* row_keys = all_keys.data();
+      const scalar_t* const* row_values = all_values.data();
+      if (mrow != nullptr && !visible_run(mrow, mask->stride(3), Lk, first, count)) {
+        keys.clear(), values.clear();  // not one run: gather the visible keys
+        for (int64_t j = 0; j < Lk; ++j)
+          if (mrow[j * mask->stride(3)])
+            keys.push_back(all_keys[j]), values.push_back(all_values[j]);
+        row_keys = keys.data(), row_values = values.data(), first = 0;
+        count = static_cast<int64_t>(keys.size());
+      }
+      attend<scalar_t>(queries.data(), together, D, row_keys + first, row_values + first, count,
+                       Dv, scale, acc.data(), state.data(), outs.data());
     }
   });
 }

@@ -183,6 +183,12 @@ def test_attention_is_sdpa_with_each_querys_bits_fixed_by_its_visible_keys(dtype
                                  attn_mask=additive), left)
     assert torch.equal(attention(q[1:, :, 30:31], k[1:, :, :31], v[1:, :, :31]),
                        causal[1:, :, 30:31])
+    # A mask with a hole (key 12 hidden from every query): the bits of the same keys without it.
+    holed = torch.ones(40, 40, dtype=torch.bool).tril()
+    holed[:, 12] = False
+    kept = [j for j in range(40) if j != 12]
+    assert torch.equal(attention(q, k, v, attn_mask=holed)[:, :, kept],
+                       attention(q[:, :, kept], k[:, :, kept], v[:, :, kept], is_causal=True))
     if dtype == torch.bfloat16:  # float32 math on the widened values, rounded at the end
         assert torch.equal(attention(q.float(), k.float(), v.float(), is_causal=True).to(dtype),
                            causal)
@@ -205,6 +211,18 @@ def test_attention_gradients_are_sdpas():
     F.scaled_dot_product_attention(*inputs, is_causal=True).square().sum().backward()
     for grad, t in zip(ours, inputs, strict=True):
         torch.testing.assert_close(grad, t.grad, rtol=1e-4, atol=1e-5)
+    # Left padding: the pad queries see no key (output 0, no gradient), the rest as float64 math.
+    visible = torch.ones(9, 9, dtype=torch.bool).tril()
+    visible[:, :3] = False
+    for t in inputs:
+        t.grad = None
+    attention(*inputs, attn_mask=visible).square().sum().backward()
+    ours = [t.grad.clone() for t in inputs]
+    wide = [t.detach().double().requires_grad_() for t in inputs]
+    scores = (wide[0] @ wide[1].transpose(-1, -2) / 4).masked_fill(~visible, float("-inf"))
+    (torch.softmax(scores, -1).nan_to_num(0.0) @ wide[2]).square().sum().backward()
+    for grad, t in zip(ours, wide, strict=True):
+        torch.testing.assert_close(grad.double(), t.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_attention_refuses_what_it_cannot_keep_invariant():
