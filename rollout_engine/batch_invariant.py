@@ -37,6 +37,7 @@ and sinks on the CPU; on CUDA, sdpa masks other than padded causal ones.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import threading
 import weakref
@@ -60,7 +61,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     """`F.linear` (x [..., K], weight [N, K], bias [N]) with every output in one fixed order;
     differentiable."""
     _require_kernels(x, weight, *(() if bias is None else (bias,)))
-    return _Linear.apply(x, weight, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _Linear.apply(x, weight, bias)
+    return _linear_forward(x, weight, bias)  # no autograd node: the engine's steps
+
+
+def _linear_forward(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if runs_triton(x):
+        from kernels import triton_batch_invariant
+
+        out = triton_batch_invariant.linear(rows, weight, bias)
+    else:
+        if getattr(_state, "reuse_packed", False):
+            packed = _PACKED.get(weight)
+        else:
+            packed = cpu_extension.batch_invariant_pack(weight.detach())
+        out = cpu_extension.batch_invariant_linear_packed(rows, packed, weight.shape[0], bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class _Linear(torch.autograd.Function):
@@ -68,18 +88,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        rows = x.reshape(-1, x.shape[-1])
-        if runs_triton(x):
-            from kernels import triton_batch_invariant
-
-            out = triton_batch_invariant.linear(rows, weight, bias)
-            return out.reshape(*x.shape[:-1], weight.shape[0])
-        if getattr(_state, "reuse_packed", False):
-            packed = _PACKED.get(weight)
-        else:
-            packed = cpu_extension.batch_invariant_pack(weight.detach())
-        out = cpu_extension.batch_invariant_linear_packed(rows, packed, weight.shape[0], bias)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        return _linear_forward(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -241,12 +250,17 @@ class _Attention(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def _require_kernels(*tensors: torch.Tensor) -> None:
     """The kernels for these tensors can run (with none: the kernels of some device can)."""
     devices = {t.device.type for t in tensors}
     if len(devices) > 1:
         raise BatchInvariantUnavailableError(f"tensors on several devices: {sorted(devices)}")
-    triton_ok = importlib.util.find_spec("triton") is not None
+    triton_ok = _triton_installed()
     if tensors and runs_triton(tensors[0]):
         if not triton_ok:
             raise BatchInvariantUnavailableError(

@@ -40,13 +40,16 @@
 
 namespace {
 
+using batch_invariant::accumulate_values;
 using batch_invariant::dot;
 using batch_invariant::dot16;
 using batch_invariant::kLanes;
 using batch_invariant::load_group;
+using batch_invariant::kTogether;
 using batch_invariant::Vec16;
 
 constexpr int64_t kGroup = 16;  // keys per softmax group
+constexpr int64_t kDot16From = 4;  // keys of a group from which dot16 beats dot, key by key
 static_assert(kGroup == kLanes, "dot16 computes one group's scores");
 
 // Blocks of a paged cache lie anywhere, so the hardware cannot guess the next one: while a
@@ -60,43 +63,6 @@ inline void prefetch_rows(const scalar_t* const* rows, int64_t n, int64_t dim) {
   for (int64_t j = 0; j < n; ++j)
     for (int64_t b = 0; b < bytes; b += 64)
       __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + b, 0, 1);  // prefetcht2
-}
-
-// acc[d] = acc[d] * alpha, then acc[d] = fma(p[j], v_j[d], acc[d]) for j in order: sixteen d
-// at a time in registers, the rest one at a time (the same operations, lane by lane).
-// kChunks x 16 values per row (head dims 64 and 128): every lane's accumulator in a register for
-// the whole group, each weight broadcast once for all of them; the same operations per lane.
-template <int kChunks, typename scalar_t>
-inline void accumulate_whole(const scalar_t* const* values, int64_t n, const float* p,
-                             float alpha, float* acc) {
-  Vec16 a[kChunks];
-  const Vec16 scale = Vec16::broadcast(alpha);
-  for (int c = 0; c < kChunks; ++c) a[c] = Vec16::mul(Vec16::load(acc + c * kLanes), scale);
-  for (int64_t j = 0; j < n; ++j) {
-    const Vec16 weight = Vec16::broadcast(p[j]);
-    for (int c = 0; c < kChunks; ++c)
-      a[c] = Vec16::fma(weight, Vec16::load(values[j] + c * kLanes), a[c]);
-  }
-  for (int c = 0; c < kChunks; ++c) a[c].store(acc + c * kLanes);
-}
-
-template <typename scalar_t>
-inline void accumulate_values(const scalar_t* const* values, int64_t n, const float* p,
-                              float alpha, int64_t value_dim, float* acc) {
-  if (value_dim == 4 * kLanes) return accumulate_whole<4>(values, n, p, alpha, acc);
-  if (value_dim == 8 * kLanes) return accumulate_whole<8>(values, n, p, alpha, acc);
-  int64_t d = 0;
-  for (; d + kLanes <= value_dim; d += kLanes) {
-    Vec16 a = Vec16::mul(Vec16::load(acc + d), Vec16::broadcast(alpha));
-    for (int64_t j = 0; j < n; ++j)
-      a = Vec16::fma(Vec16::broadcast(p[j]), Vec16::load(values[j] + d), a);
-    a.store(acc + d);
-  }
-  for (; d < value_dim; ++d) {
-    float a = acc[d] * alpha;
-    for (int64_t j = 0; j < n; ++j) a = std::fma(p[j], static_cast<float>(values[j][d]), a);
-    acc[d] = a;
-  }
 }
 
 // Running softmax state of `num_queries` query vectors: m and l per query, acc value_dim
@@ -127,7 +93,7 @@ __attribute__((noinline)) void attend_keys(const float* const* queries, int64_t 
                                            const scalar_t* const* values, int64_t count,
                                            int64_t value_dim, float scale, Running st) {
   constexpr float kNone = -std::numeric_limits<float>::infinity();
-  alignas(64) float s[kGroup], p[kGroup], alpha_lanes[kGroup];
+  alignas(64) float s[kGroup], p[kTogether][kGroup];
   for (int64_t g = 0; g < count; g += kGroup) {
     const int64_t n = std::min(kGroup, count - g);
     // The first call asks for its first groups, then each group for the one kPrefetchGroups on.
@@ -137,30 +103,36 @@ __attribute__((noinline)) void attend_keys(const float* const* queries, int64_t 
       prefetch_rows(keys + ahead, rows, dim);
       prefetch_rows(values + ahead, rows, value_dim);
     }
-    for (int64_t i = 0; i < num_queries; ++i) {
-      float group_max = kNone;
-      if (n == kGroup) {
-        dot16(queries[i], keys + g, dim, s);
-        for (int64_t j = 0; j < n; ++j) {
-          s[j] = s[j] * scale;
-          group_max = std::max(group_max, s[j]);
+    // kTogether queries at a time: their weights one by one, then their values together.
+    for (int64_t i0 = 0; i0 < num_queries; i0 += kTogether) {
+      const int64_t together = std::min<int64_t>(kTogether, num_queries - i0);
+      float alpha[kTogether];
+      for (int64_t u = 0; u < together; ++u) {
+        const int64_t i = i0 + u;
+        Vec16 scores;  // dot * scale; -inf past a partial group's keys (weight 0)
+        if (n >= kDot16From) {  // a partial group's missing keys: its first again, then -inf
+          const scalar_t* group[kGroup];
+          for (int64_t j = 0; j < kGroup; ++j) group[j] = keys[g + (j < n ? j : 0)];
+          dot16(queries[i], group, dim, s);
+          for (int64_t j = n; j < kGroup; ++j) s[j] = kNone;
+          scores = Vec16::mul(Vec16::load(s), Vec16::broadcast(scale));
+        } else {
+          for (int64_t j = 0; j < kGroup; ++j)
+            s[j] = j < n ? dot(queries[i], keys[g + j], dim) * scale : kNone;
+          scores = Vec16::load(s);
         }
-      } else {
-        for (int64_t j = 0; j < n; ++j) {
-          s[j] = dot(queries[i], keys[g + j], dim) * scale;
-          group_max = std::max(group_max, s[j]);
-        }
+        const float m = st.maxima[i], m_new = std::max(m, scores.max());
+        Vec16::exp(Vec16::sub(scores, Vec16::broadcast(m_new))).store(p[u]);
+        alpha[u] = batch_invariant::exp_lane(m - m_new);  // 0 for the first group (m = -inf)
+        st.maxima[i] = m_new;
       }
-      const float m = st.maxima[i], m_new = std::max(m, group_max);
-      for (int64_t j = 0; j < kGroup; ++j) s[j] = j < n ? s[j] - m_new : kNone;
-      Vec16::exp(Vec16::load(s)).store(p);
-      Vec16::exp(Vec16::broadcast(m - m_new)).store(alpha_lanes);
-      const float alpha = alpha_lanes[0];  // 0 for the first group (m = -inf)
-      float l = st.sums[i] * alpha;
-      for (int64_t j = 0; j < n; ++j) l = l + p[j];
-      st.sums[i] = l;
-      st.maxima[i] = m_new;
-      accumulate_values(values + g, n, p, alpha, value_dim, st.acc + i * value_dim);
+      // Each query's l: l * alpha, then + p[j] in order; the queries' chains side by side.
+      float l[kTogether];
+      for (int64_t u = 0; u < together; ++u) l[u] = st.sums[i0 + u] * alpha[u];
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t u = 0; u < together; ++u) l[u] = l[u] + p[u][j];
+      for (int64_t u = 0; u < together; ++u) st.sums[i0 + u] = l[u];
+      accumulate_values(values + g, n, p, alpha, together, value_dim, st.acc + i0 * value_dim);
     }
   }
 }

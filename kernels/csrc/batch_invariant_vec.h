@@ -78,6 +78,11 @@ struct Lanes16 {
     for (int64_t i = 0; i < kLanes; ++i) a.v[i] = a.v[i] * b.v[i];
     return a;
   }
+  static Lanes16 sub(Lanes16 a, Lanes16 b) {
+    for (int64_t i = 0; i < kLanes; ++i) a.v[i] = a.v[i] - b.v[i];
+    return a;
+  }
+  T max() const { return *std::max_element(v, v + kLanes); }  // exact in any order
   void store(T* p) const { std::copy(v, v + kLanes, p); }
   static Lanes16 exp(Lanes16 x) {
     for (int64_t i = 0; i < kLanes; ++i) x.v[i] = exp_lane(x.v[i]);
@@ -119,6 +124,8 @@ struct Vec16 {
   static Vec16 fma(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   static Vec16 add(Vec16 a, Vec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
   static Vec16 mul(Vec16 a, Vec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  static Vec16 sub(Vec16 a, Vec16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  float max() const { return _mm512_reduce_max_ps(v); }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   static Vec16 exp(Vec16 x) {  // exp_lane, sixteen at a time
     using namespace exp_constants;
@@ -171,6 +178,14 @@ struct Vec16 {
   }
   static Vec16 mul(Vec16 a, Vec16 b) {
     return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
+  }
+  static Vec16 sub(Vec16 a, Vec16 b) {
+    return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)};
+  }
+  float max() const {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_max_ps(lo, hi));
+    return *std::max_element(lanes, lanes + 8);
   }
   void store(float* p) const {
     _mm256_storeu_ps(p, lo);
@@ -265,6 +280,74 @@ inline void dot16(const float* q, const scalar_t* const* keys, int64_t dim, floa
   }
 #endif
   for (int64_t j = 0; j < kLanes; ++j) out[j] = dot(q, keys[j], dim);
+}
+
+// Query vectors whose values attention accumulates side by side (`accumulate_values`): with
+// AVX-512's 32 registers two queries' accumulators fit beside each other for head dims up to 128.
+#if defined(__AVX512F__)
+constexpr int kTogether = 2;
+#else
+constexpr int kTogether = 1;
+#endif
+
+// For kQueries query vectors u, each with its weights p[u] and rescale alpha[u]: acc_u[d] =
+// acc_u[d] * alpha[u], then acc_u[d] = fma(p[u][j], v_j[d], acc_u[d]) for j < n in order.
+// kChunks x 16 values per row (head dims 64 and 128): every accumulator in a register for the
+// whole group, each value row loaded once for all the queries (their independent chains keep
+// the FMA units busy); per lane the same operations as one query alone.
+template <int kQueries, int kChunks, typename scalar_t>
+inline void accumulate_whole(const scalar_t* const* values, int64_t n, const float (*p)[kLanes],
+                             const float* alpha, float* acc, int64_t acc_stride) {
+  Vec16 a[kQueries][kChunks];
+  for (int u = 0; u < kQueries; ++u)
+    for (int c = 0; c < kChunks; ++c)
+      a[u][c] = Vec16::mul(Vec16::load(acc + u * acc_stride + c * kLanes),
+                           Vec16::broadcast(alpha[u]));
+  for (int64_t j = 0; j < n; ++j) {
+    Vec16 weight[kQueries];
+    for (int u = 0; u < kQueries; ++u) weight[u] = Vec16::broadcast(p[u][j]);
+    for (int c = 0; c < kChunks; ++c) {
+      const Vec16 v = Vec16::load(values[j] + c * kLanes);
+      for (int u = 0; u < kQueries; ++u) a[u][c] = Vec16::fma(weight[u], v, a[u][c]);
+    }
+  }
+  for (int u = 0; u < kQueries; ++u)
+    for (int c = 0; c < kChunks; ++c) a[u][c].store(acc + u * acc_stride + c * kLanes);
+}
+
+// The same for `queries` (at most kTogether) vectors whose accumulators follow each other in
+// `acc` (value_dim apart), any value_dim: sixteen d at a time, then the rest one at a time.
+template <typename scalar_t>
+inline void accumulate_values(const scalar_t* const* values, int64_t n,
+                              const float (*p)[kLanes], const float* alpha, int64_t queries,
+                              int64_t value_dim, float* acc) {
+  if (queries == kTogether && value_dim == 4 * kLanes)
+    return accumulate_whole<kTogether, 4>(values, n, p, alpha, acc, value_dim);
+  if (queries == kTogether && value_dim == 8 * kLanes)
+    return accumulate_whole<kTogether, 8>(values, n, p, alpha, acc, value_dim);
+  for (int64_t u = 0; u < queries; ++u) {
+    float* out = acc + u * value_dim;
+    if (value_dim == 4 * kLanes) {
+      accumulate_whole<1, 4>(values, n, p + u, alpha + u, out, value_dim);
+      continue;
+    }
+    if (value_dim == 8 * kLanes) {
+      accumulate_whole<1, 8>(values, n, p + u, alpha + u, out, value_dim);
+      continue;
+    }
+    int64_t d = 0;
+    for (; d + kLanes <= value_dim; d += kLanes) {
+      Vec16 a = Vec16::mul(Vec16::load(out + d), Vec16::broadcast(alpha[u]));
+      for (int64_t j = 0; j < n; ++j)
+        a = Vec16::fma(Vec16::broadcast(p[u][j]), Vec16::load(values[j] + d), a);
+      a.store(out + d);
+    }
+    for (; d < value_dim; ++d) {
+      float a = out[d] * alpha[u];
+      for (int64_t j = 0; j < n; ++j) a = std::fma(p[u][j], static_cast<float>(values[j][d]), a);
+      out[d] = a;
+    }
+  }
 }
 
 }  // namespace batch_invariant
