@@ -93,7 +93,7 @@ __attribute__((noinline)) void attend_keys(const float* const* queries, int64_t 
                                            const scalar_t* const* values, int64_t count,
                                            int64_t value_dim, float scale, Running st) {
   constexpr float kNone = -std::numeric_limits<float>::infinity();
-  alignas(64) float s[kGroup], p[kTogether][kGroup];
+  alignas(64) float s[kTogether][kGroup], p[kTogether][kGroup];
   for (int64_t g = 0; g < count; g += kGroup) {
     const int64_t n = std::min(kGroup, count - g);
     // The first call asks for its first groups, then each group for the one kPrefetchGroups on.
@@ -107,19 +107,21 @@ __attribute__((noinline)) void attend_keys(const float* const* queries, int64_t 
     for (int64_t i0 = 0; i0 < num_queries; i0 += kTogether) {
       const int64_t together = std::min<int64_t>(kTogether, num_queries - i0);
       float alpha[kTogether];
+      const scalar_t* group[kGroup];  // a partial group's missing keys: its first again
+      for (int64_t j = 0; j < kGroup; ++j) group[j] = keys[g + (j < n ? j : 0)];
+      if (n >= kDot16From && together == 2)
+        batch_invariant::dot16_pair(queries[i0], queries[i0 + 1], group, dim, s[0], s[1]);
       for (int64_t u = 0; u < together; ++u) {
         const int64_t i = i0 + u;
         Vec16 scores;  // dot * scale; -inf past a partial group's keys (weight 0)
-        if (n >= kDot16From) {  // a partial group's missing keys: its first again, then -inf
-          const scalar_t* group[kGroup];
-          for (int64_t j = 0; j < kGroup; ++j) group[j] = keys[g + (j < n ? j : 0)];
-          dot16(queries[i], group, dim, s);
-          for (int64_t j = n; j < kGroup; ++j) s[j] = kNone;
-          scores = Vec16::mul(Vec16::load(s), Vec16::broadcast(scale));
+        if (n >= kDot16From) {
+          if (together != 2) dot16(queries[i], group, dim, s[u]);
+          for (int64_t j = n; j < kGroup; ++j) s[u][j] = kNone;
+          scores = Vec16::mul(Vec16::load(s[u]), Vec16::broadcast(scale));
         } else {
           for (int64_t j = 0; j < kGroup; ++j)
-            s[j] = j < n ? dot(queries[i], keys[g + j], dim) * scale : kNone;
-          scores = Vec16::load(s);
+            s[u][j] = j < n ? dot(queries[i], keys[g + j], dim) * scale : kNone;
+          scores = Vec16::load(s[u]);
         }
         const float m = st.maxima[i], m_new = std::max(m, scores.max());
         Vec16::exp(Vec16::sub(scores, Vec16::broadcast(m_new))).store(p[u]);

@@ -244,6 +244,31 @@ inline float dot(const float* q, const scalar_t* k, int64_t dim) {
   return acc.tree_sum();
 }
 
+#if defined(__AVX512F__)
+// The levels after the first of dot16's reduction: r1[p] holds keys p | p + 8 with lanes i and
+// i + 8 added (p < 8); out[j] = key j's sum.
+inline void dot16_finish(const __m512* r1, float* out) {
+  __m512 r2[4], r3[2];
+  for (int p = 0; p < 4; ++p)  // keys p | p + 8 | p + 4 | p + 12: lanes i + i+4
+    r2[p] = _mm512_add_ps(_mm512_shuffle_f32x4(r1[p], r1[p + 4], 0x88),
+                          _mm512_shuffle_f32x4(r1[p], r1[p + 4], 0xDD));
+  for (int p = 0; p < 2; ++p)  // two keys per 128-bit lane: lanes i + i+2
+    r3[p] = _mm512_add_ps(_mm512_shuffle_ps(r2[p], r2[p + 2], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(r2[p], r2[p + 2], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 r4 =  // lanes i + i+1: keys 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15
+      _mm512_add_ps(_mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                    _mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i kOrder = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(kOrder, r4));
+}
+
+// Keys p and p + 8's first reduction level (lanes i + i+8, two keys per register).
+inline __m512 dot16_level1(__m512 key_p, __m512 key_p8) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(key_p, key_p8, 0x44),
+                       _mm512_shuffle_f32x4(key_p, key_p8, 0xEE));
+}
+#endif
+
 // out[j] = dot(q, keys[j], dim) for the sixteen keys of a whole group, bit for bit: with
 // AVX-512 and a head dim of whole vectors, the sixteen FMA chains side by side, then
 // `tree_sum`'s additions (lanes i + i+8, i + i+4, i + i+2, i + i+1) for all sixteen keys at
@@ -260,26 +285,43 @@ inline void dot16(const float* q, const scalar_t* const* keys, int64_t dim, floa
       for (int64_t j = 0; j < kLanes; ++j)
         acc[j] = _mm512_fmadd_ps(qv, Vec16::load(keys[j] + d).v, acc[j]);
     }
-    __m512 r1[8], r2[4], r3[2];
-    for (int p = 0; p < 8; ++p)  // keys p | p + 8: lanes i + i+8 of each
-      r1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[p], acc[p + 8], 0x44),
-                            _mm512_shuffle_f32x4(acc[p], acc[p + 8], 0xEE));
-    for (int p = 0; p < 4; ++p)  // keys p | p + 8 | p + 4 | p + 12: lanes i + i+4
-      r2[p] = _mm512_add_ps(_mm512_shuffle_f32x4(r1[p], r1[p + 4], 0x88),
-                            _mm512_shuffle_f32x4(r1[p], r1[p + 4], 0xDD));
-    for (int p = 0; p < 2; ++p)  // two keys per 128-bit lane: lanes i + i+2
-      r3[p] = _mm512_add_ps(_mm512_shuffle_ps(r2[p], r2[p + 2], _MM_SHUFFLE(1, 0, 1, 0)),
-                            _mm512_shuffle_ps(r2[p], r2[p + 2], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 r4 =  // lanes i + i+1: keys 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15
-        _mm512_add_ps(_mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                      _mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512i kOrder = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13,
-                                             15);
-    _mm512_storeu_ps(out, _mm512_permutexvar_ps(kOrder, r4));
-    return;
+    __m512 r1[8];
+    for (int p = 0; p < 8; ++p) r1[p] = dot16_level1(acc[p], acc[p + 8]);
+    return dot16_finish(r1, out);
   }
 #endif
   for (int64_t j = 0; j < kLanes; ++j) out[j] = dot(q, keys[j], dim);
+}
+
+// dot16 for two query vectors at once, each key row loaded (and widened) once for both: the
+// keys in two halves (p and p + 8 for p < 4, then p >= 4) so that both queries' chains fit in
+// the registers; every operation of a key's sum is dot16's.
+template <typename scalar_t>
+inline void dot16_pair(const float* q0, const float* q1, const scalar_t* const* keys,
+                       int64_t dim, float* out0, float* out1) {
+#if defined(__AVX512F__)
+  if (dim % kLanes == 0) {
+    __m512 r1[2][8];
+    for (int half = 0; half < 2; ++half) {
+      __m512 a[2][8];  // slot s: key 4 half + s (s < 4), key 4 half + s + 4 (s >= 4)
+      for (int s = 0; s < 8; ++s) a[0][s] = a[1][s] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += kLanes) {
+        const __m512 x0 = _mm512_loadu_ps(q0 + d), x1 = _mm512_loadu_ps(q1 + d);
+        for (int s = 0; s < 8; ++s) {
+          const __m512 k = Vec16::load(keys[4 * half + (s < 4 ? s : s + 4)] + d).v;
+          a[0][s] = _mm512_fmadd_ps(x0, k, a[0][s]);
+          a[1][s] = _mm512_fmadd_ps(x1, k, a[1][s]);
+        }
+      }
+      for (int u = 0; u < 2; ++u)
+        for (int s = 0; s < 4; ++s) r1[u][4 * half + s] = dot16_level1(a[u][s], a[u][s + 4]);
+    }
+    dot16_finish(r1[0], out0);
+    return dot16_finish(r1[1], out1);
+  }
+#endif
+  dot16(q0, keys, dim, out0);
+  dot16(q1, keys, dim, out1);
 }
 
 // Query vectors whose values attention accumulates side by side (`accumulate_values`): with
