@@ -49,7 +49,7 @@ using batch_invariant::kTogether;
 using batch_invariant::Vec16;
 
 constexpr int64_t kGroup = 16;  // keys per softmax group
-constexpr int64_t kDot16From = 4;  // keys of a group from which dot16 beats dot, key by key
+constexpr int64_t kDot16From = 4;  // a partial group of this many keys takes dot16 (not tuned)
 static_assert(kGroup == kLanes, "dot16 computes one group's scores");
 
 // Blocks of a paged cache lie anywhere, so the hardware cannot guess the next one: while a
