@@ -280,18 +280,26 @@ struct Item {
 constexpr int64_t kMaxTokensTogether = 16;  // members of one item (bounds its scratch)
 
 // Items of the step: runs of decode requests (one query token, no sliding window) whose block
-// tables begin with the same blocks, each with the keys all of them see there; every other
-// token an item of its own.
+// tables begin with the same blocks, each with the keys all of them see there; runs of up to
+// kMaxTokensTogether tokens of a prefill chunk, with the whole groups the first of them sees;
+// every other token (sliding windows) an item of its own.
 std::vector<Item> share_prefixes(int64_t R, const int32_t* starts, const int32_t* lens,
                                  const int32_t* tables, int64_t table_stride, int64_t block_size,
                                  bool sliding) {
   std::vector<Item> items;
   std::vector<int64_t> decode;  // requests that may share, ordered by their first block
   for (int64_t r = 0; r < R; ++r) {
-    const bool one_token = starts[r + 1] - starts[r] == 1;
-    if (one_token && !sliding && lens[r] > kGroup) decode.push_back(r);
-    else
+    const int64_t q_len = starts[r + 1] - starts[r];
+    if (q_len == 1 && !sliding && lens[r] > kGroup) decode.push_back(r);
+    else if (q_len == 1 || sliding)
       for (int64_t t = starts[r]; t < starts[r + 1]; ++t) items.push_back({{t}, 0});
+    else  // a prefill chunk: runs of its tokens share the whole groups the first one sees
+      for (int64_t t0 = starts[r]; t0 < starts[r + 1]; t0 += kMaxTokensTogether) {
+        Item item{{}, (lens[r] - q_len + (t0 - starts[r]) + 1) / kGroup * kGroup};
+        for (int64_t t = t0; t < std::min<int64_t>(t0 + kMaxTokensTogether, starts[r + 1]); ++t)
+          item.tokens.push_back(t);
+        items.push_back(std::move(item));
+      }
   }
   std::stable_sort(decode.begin(), decode.end(), [&](int64_t a, int64_t b) {
     return tables[a * table_stride] < tables[b * table_stride];
