@@ -238,15 +238,15 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # The last query of a padded causal batch is never a fully masked row: its visible keys
         # are the row's real ones (left padding: it is the last real token; right padding: a
         # pad query that sees every real key).
-        last = visible.expand(batch, num_heads, q_len, k_len)[:, :, -1]  # [B, H, Lk]
-        first = last[:, 0].int().argmax(-1).long()
-        count = last[:, 0].sum(-1)
+        given = visible.expand(batch, num_heads, q_len, k_len)
+        last = given[:, 0, -1]  # [B, Lk]
+        first = last.int().argmax(-1).long()
+        count = last.sum(-1)
         keys = torch.arange(k_len, device=query.device)
         run = (keys >= first[:, None]) & (keys < (first + count)[:, None])  # [B, Lk]
         q_keys = keys[k_len - q_len:]  # the key position of each query
         expected = run[:, None, :] & (keys[None, None, :] <= q_keys[None, :, None])
         real_query = run[:, k_len - q_len:]  # [B, Lq]
-        given = visible.expand(batch, num_heads, q_len, k_len)
         agree = (given == expected[:, None]) | ~real_query[:, None, :, None]
         if not bool(agree.all()):
             raise ValueError("batch-invariant attention on CUDA takes causal masks over one "

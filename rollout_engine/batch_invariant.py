@@ -280,12 +280,13 @@ def _row_op(func, op: str, params: tuple[str, ...]):
     dimension of a tensor on the Triton path, else as it is. `params`: the names of `func`'s
     positional parameters after the tensor."""
     def run(x, *args, **kwargs):
+        if not (isinstance(x, torch.Tensor) and runs_triton(x)):  # the CPU: torch's own
+            return func(x, *args, **kwargs)
         bound = dict(zip(params, args, strict=False)) | kwargs
         dim = bound.get("dim")
         if isinstance(dim, (tuple, list)) and len(dim) == 1:
             dim = dim[0]
-        if (isinstance(x, torch.Tensor) and runs_triton(x) and isinstance(dim, int)
-                and x.dim() and dim in (-1, x.dim() - 1)):
+        if isinstance(dim, int) and x.dim() and dim in (-1, x.dim() - 1):
             rows = x if bound.get("dtype") is None else x.to(bound["dtype"])
             if rows.dtype in (torch.float32, torch.bfloat16, torch.float16):
                 return _RowOp.apply(rows, op, bool(bound.get("keepdim", False)))

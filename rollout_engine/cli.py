@@ -297,8 +297,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="modeling code: our native decoder, Hugging Face's transformers "
                         "with our paged attention, or auto (native where it exists; default)")
     engine.add_argument("--batch-invariant", action="store_true", default=None,
-                        help="kernels (CPU or CUDA) whose bits do not depend on the batch, so logprobs "
-                        "equal a trainer's under rollout_engine.batch_invariant (default: off)")
+                        help="kernels (CPU or CUDA) whose bits do not depend on the batch, so "
+                        "logprobs equal a trainer's under rollout_engine.batch_invariant "
+                        "(default: off)")
     engine.add_argument("--cuda-graphs", action="store_true", default=None,
                         help="replay decode steps from CUDA graphs (default: off)")
     engine.add_argument("--kv-cache-bytes", type=_parse_bytes,

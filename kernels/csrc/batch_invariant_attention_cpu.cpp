@@ -103,19 +103,20 @@ __attribute__((noinline)) void attend_keys(const float* const* queries, int64_t 
       prefetch_rows(keys + ahead, rows, dim);
       prefetch_rows(values + ahead, rows, value_dim);
     }
+    const scalar_t* group[kGroup];  // a partial group's missing keys: its first again
+    for (int64_t j = 0; j < kGroup; ++j) group[j] = keys[g + (j < n ? j : 0)];
     // kTogether queries at a time: their weights one by one, then their values together.
     for (int64_t i0 = 0; i0 < num_queries; i0 += kTogether) {
       const int64_t together = std::min<int64_t>(kTogether, num_queries - i0);
       float alpha[kTogether];
-      const scalar_t* group[kGroup];  // a partial group's missing keys: its first again
-      for (int64_t j = 0; j < kGroup; ++j) group[j] = keys[g + (j < n ? j : 0)];
       if (n >= kDot16From && together == 2)
         batch_invariant::dot16_pair(queries[i0], queries[i0 + 1], group, dim, s[0], s[1]);
+      else if (n >= kDot16From)
+        dot16(queries[i0], group, dim, s[0]);
       for (int64_t u = 0; u < together; ++u) {
         const int64_t i = i0 + u;
         Vec16 scores;  // dot * scale; -inf past a partial group's keys (weight 0)
         if (n >= kDot16From) {
-          if (together != 2) dot16(queries[i], group, dim, s[u]);
           for (int64_t j = n; j < kGroup; ++j) s[u][j] = kNone;
           scores = Vec16::mul(Vec16::load(s[u]), Vec16::broadcast(scale));
         } else {
