@@ -115,17 +115,20 @@ def paged_attention_short(
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             invariant: bool = False) -> torch.Tensor:
     """Hugging Face's RMSNorm of x's rows ([..., n], a unit stride on n; weight [n] of x's
-    dtype) as a new contiguous tensor (see `fused_ops_cpu.cpp` for the rounding)."""
-    return torch.ops.rollout_cpu.rms_norm(x, weight, float(eps))
+    dtype) as a new contiguous tensor (see `fused_ops_cpu.cpp` for the rounding). `invariant`:
+    the sum of squares in the batch-invariant order (`invariant_mean`'s), so that the result
+    equals the torch ops' under `rollout_engine.batch_invariant`'s mode bit for bit."""
+    return torch.ops.rollout_cpu.rms_norm(x, weight, float(eps), invariant)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> None:
+                 eps: float, invariant: bool = False) -> None:
     """In place: residual = x + residual, then x = rms_norm(residual) (both contiguous, one
     shape and dtype)."""
-    torch.ops.rollout_cpu.add_rms_norm(x, residual, weight, float(eps))
+    torch.ops.rollout_cpu.add_rms_norm(x, residual, weight, float(eps), invariant)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
@@ -135,9 +138,22 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
     torch.ops.rollout_cpu.rotary(q, k, cos_sin, positions)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [..., 2 I] (gate | up) -> silu(gate) * up [..., I]."""
-    return torch.ops.rollout_cpu.silu_and_mul(gate_up)
+def silu_and_mul(gate_up: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """gate_up [..., 2 I] (gate | up) -> silu(gate) * up [..., I]; `invariant`: silu as
+    `invariant_silu` computes it."""
+    return torch.ops.rollout_cpu.silu_and_mul(gate_up, invariant)
+
+
+def invariant_mean(x: torch.Tensor) -> torch.Tensor:
+    """The mean of each row of x ([..., n], a unit stride on n; float32, bfloat16 or float16)
+    -> [...], summed in one order fixed by n (batch invariance; see `fused_ops_cpu.cpp`)."""
+    return torch.ops.rollout_cpu.invariant_mean(x)
+
+
+def invariant_silu(x: torch.Tensor) -> torch.Tensor:
+    """silu(x) elementwise with an exp of fixed steps (batch invariance; see
+    `fused_ops_cpu.cpp`)."""
+    return torch.ops.rollout_cpu.invariant_silu(x)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -15,6 +15,9 @@ manager. Inside it, in this thread:
   (the experts of a mixture-of-experts layer) run the batch-invariant linear layer;
 - `F.scaled_dot_product_attention` (a Hugging Face model's "sdpa" attention) and the engine's
   paged attention run the batch-invariant attention (`batch_invariant_attention_cpu.cpp`);
+- on the CPU, `mean` over the last dimension (an RMSNorm's) and `F.silu` run kernels of fixed
+  steps (`fused_ops_cpu.cpp`) whose order the engine's fused RMSNorm and SiLU-and-mul follow
+  in the mode, so that they equal Hugging Face's unfused torch ops;
 
 each with a backward pass of plain torch ops (gradients need not be invariant, only correct).
 The engine runs its steps in it with `LLM(..., batch_invariant=True)`: a token's logprob is then
@@ -276,11 +279,14 @@ def _require_kernels(*tensors: torch.Tensor) -> None:
 
 
 def _row_op(func, op: str, params: tuple[str, ...]):
-    """`func` (a mean or a softmax) through the Triton kernel `op` where it reduces the last
-    dimension of a tensor on the Triton path, else as it is. `params`: the names of `func`'s
-    positional parameters after the tensor."""
+    """`func` (a mean or a softmax) through the batch-invariant kernel `op` where it reduces
+    the last dimension: Triton's for a tensor on the Triton path; on the CPU the compiled
+    kernel's mean, whose order the engine's fused RMSNorm follows (torch's CPU softmaxes keep a
+    row's bits whatever the batch: they stay torch's), else as it is. `params`: the names of
+    `func`'s positional parameters after the tensor."""
     def run(x, *args, **kwargs):
-        if not (isinstance(x, torch.Tensor) and runs_triton(x)):  # the CPU: torch's own
+        if not (isinstance(x, torch.Tensor) and (runs_triton(x) or (
+                op == "mean" and x.device.type == "cpu" and cpu_extension.available()))):
             return func(x, *args, **kwargs)
         bound = dict(zip(params, args, strict=False)) | kwargs
         dim = bound.get("dim")
@@ -295,13 +301,17 @@ def _row_op(func, op: str, params: tuple[str, ...]):
 
 
 class _RowOp(torch.autograd.Function):
-    """A last-dimension reduction through the Triton kernel; the backward in plain torch ops."""
+    """A last-dimension reduction through the batch-invariant kernel; the backward in plain
+    torch ops."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, op: str, keepdim: bool):
         from kernels import triton_batch_invariant as tbi
 
         ctx.op, ctx.keepdim, ctx.length = op, keepdim, x.shape[-1]
+        if op == "mean" and not runs_triton(x):
+            out = cpu_extension.invariant_mean(x if x.stride(-1) == 1 else x.contiguous())
+            return out.unsqueeze(-1) if keepdim else out
         if op == "mean":
             return tbi.mean_last_dim(x, keepdim)
         out = tbi.log_softmax(x) if op == "log_softmax" else tbi.softmax(x)
@@ -319,11 +329,40 @@ class _RowOp(torch.autograd.Function):
         return out * (grad - (grad * out).sum(-1, keepdim=True)), None, None
 
 
+def silu(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """`F.silu`; on the CPU through the compiled kernel's exp of fixed steps (the engine's fused
+    SiLU-and-mul takes the same: `kernels/csrc/fused_ops_cpu.cpp`), elsewhere torch's
+    (elementwise on CUDA: the same bits in any batch); differentiable."""
+    if not (isinstance(input, torch.Tensor) and input.device.type == "cpu"
+            and input.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and cpu_extension.available() and not runs_triton(input)):
+        return F.silu(input, inplace)
+    if torch.is_grad_enabled() and input.requires_grad:
+        out = _Silu.apply(input.clone() if inplace else input)  # its input saved unchanged
+    else:
+        out = cpu_extension.invariant_silu(input)
+    return input.copy_(out) if inplace else out
+
+
+class _Silu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return cpu_extension.invariant_silu(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad, x)
+
+
 _ROUTES = {
     F.linear: linear, torch._C._nn.linear: linear, torch._grouped_mm: grouped_mm,
     F.scaled_dot_product_attention: attention,
     torch._C._nn.scaled_dot_product_attention: attention,
-    # Reductions over a row: CUDA's kernels split a row among threads by the number of rows.
+    F.silu: silu, torch._C._nn.silu: silu,
+    # Reductions over a row: CUDA's kernels split a row among threads by the number of rows;
+    # on the CPU the mean follows the order of the engine's fused RMSNorm.
     torch.mean: _row_op(torch.mean, "mean", ("dim", "keepdim")),
     torch.Tensor.mean: _row_op(torch.Tensor.mean, "mean", ("dim", "keepdim")),
     torch.log_softmax: _row_op(torch.log_softmax, "log_softmax", ("dim", "dtype")),
@@ -338,9 +377,9 @@ if hasattr(F, "grouped_mm"):  # torch >= 2.10
 
 
 class _BatchInvariantMode(TorchFunctionMode):
-    """Routes `F.linear`, `torch._grouped_mm` (mixture-of-experts layers) and
-    `F.scaled_dot_product_attention` to the batch-invariant kernels; every other function runs
-    as it would."""
+    """Routes `F.linear`, `torch._grouped_mm` (mixture-of-experts layers),
+    `F.scaled_dot_product_attention`, `F.silu` and the row reductions of `_ROUTES` to the
+    batch-invariant kernels; every other function runs as it would."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         route = _ROUTES.get(func)

@@ -82,6 +82,10 @@ struct Lanes16 {
     for (int64_t i = 0; i < kLanes; ++i) a.v[i] = a.v[i] - b.v[i];
     return a;
   }
+  static Lanes16 div(Lanes16 a, Lanes16 b) {
+    for (int64_t i = 0; i < kLanes; ++i) a.v[i] = a.v[i] / b.v[i];
+    return a;
+  }
   T max() const { return *std::max_element(v, v + kLanes); }  // exact in any order
   void store(T* p) const { std::copy(v, v + kLanes, p); }
   static Lanes16 exp(Lanes16 x) {
@@ -125,6 +129,7 @@ struct Vec16 {
   static Vec16 add(Vec16 a, Vec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
   static Vec16 mul(Vec16 a, Vec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
   static Vec16 sub(Vec16 a, Vec16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  static Vec16 div(Vec16 a, Vec16 b) { return {_mm512_div_ps(a.v, b.v)}; }
   float max() const { return _mm512_reduce_max_ps(v); }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   static Vec16 exp(Vec16 x) {  // exp_lane, sixteen at a time
@@ -181,6 +186,9 @@ struct Vec16 {
   }
   static Vec16 sub(Vec16 a, Vec16 b) {
     return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)};
+  }
+  static Vec16 div(Vec16 a, Vec16 b) {
+    return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)};
   }
   float max() const {
     alignas(32) float lanes[8];

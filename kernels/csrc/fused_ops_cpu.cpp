@@ -17,6 +17,16 @@
 // - rotary: q = dtype(dtype(q * cos) + dtype(rotate_half(q) * sin)), cos and sin rounded to the
 //   dtype first (the table holds float32), the same for k, in place;
 // - silu_and_mul: out = dtype(dtype(silu(gate)) * up), gate and up the halves of one row.
+//
+// With `invariant` (batch invariance, `rollout_engine/batch_invariant.py`) the sum of squares
+// and exp follow one order of their own, the one that mode also gives torch's `mean` over the
+// last dimension and `F.silu` (`invariant_mean`, `invariant_silu` here): the fused ops then
+// equal Hugging Face's unfused torch ops in that mode bit for bit, in every build (the sixteen
+// lanes of batch_invariant_vec.h):
+// - a row's sum: element i into lane i mod 16, in order, then the lanes' fixed tree; its mean
+//   sum / n; RMSNorm's inverse 1 / sqrt(mean + eps), every step rounded (torch's rsqrt);
+// - silu(x) = x / (1 + exp(-x)), exp being batch_invariant::exp_lane (exp(-x) of x below -88.4
+//   is its clamp's, so silu there is about x / 2.4e38 where the true value is nearer 0).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -30,6 +40,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "batch_invariant_vec.h"
 #include "cpu_vec.h"
 
 // A product and a sum stay two roundings, as torch's ops do them: no fused multiply-add
@@ -85,8 +96,60 @@ inline int64_t grain_rows(int64_t row_elements) {
   return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elements, 1));
 }
 
+namespace bi = batch_invariant;
+
+// The batch-invariant ops run float32, bfloat16 and float16 (the math is float32).
 template <typename scalar_t>
-inline void norm_row(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t n, float eps) {
+constexpr bool kInvariantDtype = !std::is_same_v<scalar_t, double>;
+
+// Sixteen lanes as scalar_t holds them (each lane rounded as a torch op's output is).
+template <typename scalar_t>
+inline bi::Vec16 to_dtype(bi::Vec16 v) {
+#if defined(ROLLOUT_CPU_VEC16)
+  if constexpr (kVec16<scalar_t>) return {round16<scalar_t>(v.v)};
+#endif
+  float lanes[bi::kLanes];
+  v.store(lanes);
+  for (float& lane : lanes) lane = rounded<scalar_t>(lane);
+  return bi::Vec16::load(lanes);
+}
+
+// The first `valid` lanes of v (already rounded by to_dtype) stored to p.
+template <typename scalar_t>
+inline void store_group(scalar_t* p, bi::Vec16 v, int64_t valid) {
+#if defined(ROLLOUT_CPU_VEC16)
+  if constexpr (kVec16<scalar_t>) {
+    if (valid >= bi::kLanes) return store16(p, v.v);
+  }
+#endif
+  float lanes[bi::kLanes];
+  v.store(lanes);
+  for (int64_t i = 0; i < std::min(valid, bi::kLanes); ++i) p[i] = static_cast<scalar_t>(lanes[i]);
+}
+
+// The batch-invariant sum of a row's elements (or of their squares, each rounded to float32):
+// a last partial group padded with zeros, which leave every lane's sum as it is. (Never called
+// for double: check_invariant_dtype refuses it first.)
+template <typename scalar_t, bool kSquares>
+inline float invariant_sum(const scalar_t* x, int64_t n) {
+  if constexpr (kInvariantDtype<scalar_t>) {
+    bi::Vec16 acc = bi::Vec16::zero();
+    for (int64_t i = 0; i < n; i += bi::kLanes) {
+      const bi::Vec16 v = bi::load_group<bi::Vec16>(x + i, n - i);
+      acc = bi::Vec16::add(acc, kSquares ? bi::Vec16::mul(v, v) : v);
+    }
+    return acc.tree_sum();
+  }
+  return std::nanf("");
+}
+
+// 1 / sqrt(mean(x^2) + eps) of a row, the mean in float32.
+template <typename scalar_t>
+inline float inverse_rms(const scalar_t* x, int64_t n, float eps, bool invariant) {
+  if (invariant) {
+    const float mean = invariant_sum<scalar_t, true>(x, n) / static_cast<float>(n);
+    return 1.f / std::sqrt(mean + eps);
+  }
   float sum = 0.f;
   int64_t i = 0;
 #if defined(ROLLOUT_CPU_VEC16)
@@ -104,8 +167,14 @@ inline void norm_row(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_
     const float v = static_cast<float>(x[j]);
     sum += v * v;
   }
-  const float inv = 1.f / std::sqrt(sum * (1.f / static_cast<float>(n)) + eps);
-  i = 0;
+  return 1.f / std::sqrt(sum * (1.f / static_cast<float>(n)) + eps);
+}
+
+template <typename scalar_t>
+inline void norm_row(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t n, float eps,
+                     bool invariant) {
+  const float inv = inverse_rms(x, n, eps, invariant);
+  int64_t i = 0;
 #if defined(ROLLOUT_CPU_VEC16)
   if constexpr (kVec16<scalar_t>) {
     const __m512 scale = _mm512_set1_ps(inv);
@@ -123,7 +192,7 @@ inline void norm_row(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_
 
 template <typename scalar_t>
 inline void add_norm_row(scalar_t* x, scalar_t* residual, const scalar_t* w, int64_t n,
-                         float eps) {
+                         float eps, bool invariant) {
   int64_t i = 0;
 #if defined(ROLLOUT_CPU_VEC16)
   if constexpr (kVec16<scalar_t>) {
@@ -135,7 +204,7 @@ inline void add_norm_row(scalar_t* x, scalar_t* residual, const scalar_t* w, int
 #endif
   for (; i < n; ++i)
     residual[i] = static_cast<scalar_t>(static_cast<float>(x[i]) + static_cast<float>(residual[i]));
-  norm_row(residual, w, x, n, eps);
+  norm_row(residual, w, x, n, eps, invariant);
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* name) {
@@ -146,9 +215,15 @@ void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* name)
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), name, ": weight and input dtypes differ");
 }
 
+void check_invariant_dtype(const at::Tensor& x, bool invariant, const char* name) {
+  TORCH_CHECK(!invariant || x.scalar_type() != at::kDouble, name,
+              ": the batch-invariant op runs float32, bfloat16 and float16");
+}
+
 // x [..., n] (rows with a unit stride) -> a new contiguous tensor.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool invariant) {
   check_rows(x, weight, "rms_norm");
+  check_invariant_dtype(x, invariant, "rms_norm");
   const at::Tensor rows = x.reshape({-1, x.size(-1)});
   at::Tensor out = at::empty(x.sizes(), x.options());
   const int64_t n = rows.size(1), in_stride = rows.stride(0);
@@ -158,15 +233,17 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows.size(0), grain_rows(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        norm_row(in + r * in_stride, w, o + r * n, n, static_cast<float>(eps));
+        norm_row(in + r * in_stride, w, o + r * n, n, static_cast<float>(eps), invariant);
     });
   });
   return out;
 }
 
 // residual = x + residual, then x = rms_norm(residual): both [T, n], contiguous, in place.
-void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps,
+                  bool invariant) {
   check_rows(x, weight, "add_rms_norm");
+  check_invariant_dtype(x, invariant, "add_rms_norm");
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes() &&
                   residual.scalar_type() == x.scalar_type(),
               "add_rms_norm: contiguous x and residual of one shape and dtype expected");
@@ -177,7 +254,7 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
     const scalar_t* w = weight.data_ptr<scalar_t>();
     at::parallel_for(0, num_rows, grain_rows(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        add_norm_row(xs + r * n, res + r * n, w, n, static_cast<float>(eps));
+        add_norm_row(xs + r * n, res + r * n, w, n, static_cast<float>(eps), invariant);
     });
   });
 }
@@ -278,11 +355,30 @@ inline void silu_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* y, 
   }
 }
 
+// The batch-invariant silu of `width` values of gate, times up's (unless up is null), into y
+// (never called for double, as invariant_sum).
+template <typename scalar_t>
+inline void invariant_silu_row(const scalar_t* gate, const scalar_t* up, scalar_t* y,
+                               int64_t width) {
+  if constexpr (kInvariantDtype<scalar_t>) {
+    using V = bi::Vec16;
+    const V one = V::broadcast(1.f);
+    for (int64_t i = 0; i < width; i += bi::kLanes) {
+      const V g = bi::load_group<V>(gate + i, width - i);
+      V out = to_dtype<scalar_t>(V::div(g, V::add(one, V::exp(V::sub(V::zero(), g)))));
+      if (up != nullptr)
+        out = to_dtype<scalar_t>(V::mul(out, bi::load_group<V>(up + i, width - i)));
+      store_group(y + i, out, width - i);
+    }
+  }
+}
+
 // gate_up [..., 2 I] (gate | up, rows with a unit stride) -> silu(gate) * up [..., I].
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+at::Tensor silu_and_mul(const at::Tensor& gate_up, bool invariant) {
   TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() >= 1 && gate_up.stride(-1) == 1 &&
                   gate_up.size(-1) % 2 == 0,
               "silu_and_mul: CPU rows [..., 2 I] with a unit stride expected");
+  check_invariant_dtype(gate_up, invariant, "silu_and_mul");
   const at::Tensor rows = gate_up.reshape({-1, gate_up.size(-1)});
   const int64_t width = rows.size(1) / 2, in_stride = rows.stride(0);
   std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
@@ -293,8 +389,55 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
     const scalar_t* in = rows.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows.size(0), grain_rows(width), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* gate = in + r * in_stride;
+        if (invariant)
+          invariant_silu_row(gate, gate + width, o + r * width, width);
+        else
+          silu_mul_row(gate, gate + width, o + r * width, width);
+      }
+    });
+  });
+  return out;
+}
+
+// The batch-invariant ops that the mode gives torch's functions (the trainer's side of the
+// fused ops above): the mean of each row of x [..., n] (rows with a unit stride) -> [...], and
+// silu of each element -> a new contiguous tensor of x's shape.
+at::Tensor invariant_mean(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.stride(-1) == 1,
+              "invariant_mean: CPU rows [..., n] with a unit stride expected");
+  check_invariant_dtype(x, true, "invariant_mean");
+  const at::Tensor rows = x.reshape({-1, x.size(-1)});
+  const int64_t n = rows.size(1), in_stride = rows.stride(0);
+  at::Tensor out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "invariant_mean", [&] {
+    const scalar_t* in = rows.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows.size(0), grain_rows(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        silu_mul_row(in + r * in_stride, in + r * in_stride + width, o + r * width, width);
+        o[r] = static_cast<scalar_t>(invariant_sum<scalar_t, false>(in + r * in_stride, n) /
+                                     static_cast<float>(n));
+    });
+  });
+  return out;
+}
+
+at::Tensor invariant_silu(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu(), "invariant_silu: a CPU tensor expected");
+  check_invariant_dtype(x, true, "invariant_silu");
+  const at::Tensor in = x.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t numel = in.numel(), chunk = 1024;  // tasks of whole groups of 16
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "invariant_silu", [&] {
+    const scalar_t* src = in.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, (numel + chunk - 1) / chunk, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t start = c * chunk;
+        invariant_silu_row<scalar_t>(src + start, nullptr, dst + start,
+                                     std::min(chunk, numel - start));
+      }
     });
   });
   return out;
@@ -351,10 +494,13 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cac
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(rollout_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool invariant=False) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, "
+        "bool invariant=False) -> ()");
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos_sin, Tensor positions) -> ()");
-  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("silu_and_mul(Tensor gate_up, bool invariant=False) -> Tensor");
+  m.def("invariant_mean(Tensor x) -> Tensor");
+  m.def("invariant_silu(Tensor x) -> Tensor");
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
 }
@@ -364,5 +510,7 @@ TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary", &rotary);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("invariant_mean", &invariant_mean);
+  m.impl("invariant_silu", &invariant_silu);
   m.impl("store_kv", &store_kv);
 }

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from kernels import kv_cache_layout
+from kernels import cpu_extension, kv_cache_layout
+from kernels.triton_utils import batch_invariant_runs_triton
 from memory import MemoryEventLog
 from memory.pool import ALIGNMENT_BYTES
 from rollout_engine.batch_invariant import drop_packed_weights
@@ -67,8 +68,7 @@ class Worker:
         )
         self.batch_invariant = model_config.batch_invariant
         self._init_lora(config, model)
-        self._init_packed_weights(
-            model, model_config.cpu_packed_weights and not model_config.batch_invariant)
+        self._init_packed_weights(model, model_config.cpu_packed_weights)
         self.weights = WeightUpdater(model, self.memory, event_log,
                                      self._after_weight_update(on_weight_update))
         kv_caches = self._init_kv_cache(config, model, hf_config, weights_bytes)
@@ -115,8 +115,16 @@ class Worker:
 
     def _init_packed_weights(self, model: CausalLM, cpu_packed_weights: bool) -> None:
         self.packed_weights: PackedCopies | None = None
-        """CPU: the linears' oneDNN copies (`packed_linear.py`), when the CPU packs them."""
-        if cpu_packed_weights and can_pack(self.device, self.dtype):
+        """CPU: the linears' oneDNN copies (`packed_linear.py`), when the CPU packs them; under
+        batch invariance, the batch-invariant GEMM's (where the CPU kernels, not the Triton ones
+        in their interpreter, run the mode)."""
+        if not cpu_packed_weights:
+            return
+        if self.batch_invariant:
+            if (self.device.type == "cpu" and cpu_extension.available()
+                    and not batch_invariant_runs_triton(torch.empty(0, device=self.device))):
+                self.packed_weights = self.model_backend.invariant_packed_linears(model)
+        elif can_pack(self.device, self.dtype):
             self.packed_weights = self.model_backend.packed_linears(model)
 
     def _after_weight_update(self, on_weight_update: Callable[[], None]) -> Callable[[], None]:

@@ -144,21 +144,35 @@ def test_under_tensor_parallelism_a_request_alone_equals_it_in_a_batch(model_dir
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
-def test_updated_weights_are_packed_again_and_sleep_frees_the_copies(model_dirs, tmp_path):
-    """The linear kernel keeps a packed copy of every weight between steps: a weight update
-    must not leave the old copies in use (the updated engine equals one loaded from the new
-    weights, bit for bit) and sleep gives their memory back."""
+@pytest.mark.parametrize("model_impl", ["native", "transformers"])
+def test_updated_weights_are_packed_again_and_sleep_frees_the_copies(model_dirs, tmp_path,
+                                                                     model_impl):
+    """The linear kernel keeps a packed copy of every weight between steps (the native
+    decoder's q|k|v and gate|up fused, its own; the transformers backend's through the mode): a
+    weight update must not leave the old copies in use (the updated engine equals one loaded
+    from the new weights, bit for bit) and sleep gives their memory back."""
     other_dir = build_tiny_model(tmp_path / "other", "llama", "tiny", seed=1)
-    llm, _ = run(model_dirs["llama"], "float32", "native")
-    assert packed_weights_bytes() > 0
+    llm, _ = run(model_dirs["llama"], "float32", model_impl)
+    packed = llm.engine.worker.packed_weights
+    assert (packed.num_bytes if model_impl == "native" else packed_weights_bytes()) > 0
     new_weights = AutoModelForCausalLM.from_pretrained(other_dir).state_dict()
     llm.update_weights(list(new_weights.items()))
     updated = llm.generate(PROMPTS, PARAMS)
-    _, fresh = run(str(other_dir), "float32", "native")
+    _, fresh = run(str(other_dir), "float32", model_impl)
     assert [[(s.token_ids, s.logprobs) for s in o.outputs] for o in updated] == [
         [(s.token_ids, s.logprobs) for s in o.outputs] for o in fresh]
     llm.sleep(level=2)
-    assert packed_weights_bytes() == 0
+    assert packed_weights_bytes() == 0 and (packed is None or packed.num_bytes == 0)
+
+
+def test_fusing_the_linears_changes_no_bit(model_dirs):
+    """The native decoder's fused q|k|v and gate|up on the batch-invariant GEMM (and SiLU fused
+    with the product) give the bits of its linears one by one through the mode."""
+    fused_llm, fused = run(model_dirs["qwen3"], "bfloat16", "native")
+    _, apart = run(model_dirs["qwen3"], "bfloat16", "native", cpu_packed_weights=False)
+    assert fused_llm.engine.worker.packed_weights.invariant
+    assert [[(s.token_ids, s.logprobs) for s in o.outputs] for o in fused] == [
+        [(s.token_ids, s.logprobs) for s in o.outputs] for o in apart]
 
 
 def test_without_the_mode_the_logprobs_are_only_close(model_dirs):

@@ -9,16 +9,24 @@ chosen by class name: each module with a 1-D `weight` and an epsilon is run both
 rows in the model's dtype, and only one whose outputs agree gets the fused forward (in 16-bit
 dtypes bit for bit but for a rare last-bit flip from the sum of squares' order, which a formula
 that rounds elsewhere exceeds many times over; in float32 within a few units in the last
-place). Under batch invariance, with autograd or off the CPU the module's own forward runs
-(`layers.fused_rms_norm`).
+place). With autograd or off the CPU the module's own forward runs (`layers.fused_rms_norm`);
+under batch invariance too, unless the op's batch-invariant form gives, bit for bit, what the
+module's forward gives in that mode (where the trainer runs it).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import nn
 
 from kernels import cpu_extension
+from rollout_engine.batch_invariant import (
+    BatchInvariantUnavailableError,
+    is_batch_invariant_mode_enabled,
+    set_batch_invariant_mode,
+)
 from rollout_engine.worker.models.layers import fused_rms_norm
 
 _EPSILON_NAMES = ("variance_epsilon", "eps", "epsilon")
@@ -35,7 +43,8 @@ def fuse_rms_norms(model: nn.Module) -> list[str]:
         eps = _epsilon_of(module)
         if eps is None or not _agrees(module, eps):
             continue
-        module.forward = _fused_forward(module, module.forward, eps)
+        module.forward = _fused_forward(module, module.forward, eps,
+                                        _agrees_invariantly(module, eps))
         fused.append(name)
     return fused
 
@@ -76,8 +85,32 @@ def _agrees(module: nn.Module, eps: float) -> bool:
     return bool((difference <= ulp).all()) and flipped <= _MAX_FLIPPED_SHARE
 
 
-def _fused_forward(module: nn.Module, own_forward, eps: float):
+@torch.inference_mode()
+def _agrees_invariantly(module: nn.Module, eps: float) -> bool:
+    """Whether the op's batch-invariant form equals the module's forward in the mode, in the
+    module's dtype and in a float32 copy of it (whose last bits show a formula that reduces in
+    another order, which a 16-bit rounding would mostly hide)."""
+    if module.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randn(_PROBE_ROWS, module.weight.shape[0], generator=generator) * 3
+    for probe in (module, copy.deepcopy(module).float()):
+        x = rows.to(probe.weight.dtype)
+        try:
+            with set_batch_invariant_mode():
+                expected = probe(x)
+        except BatchInvariantUnavailableError:
+            return False
+        if not torch.equal(cpu_extension.rms_norm(x, probe.weight, eps, invariant=True),
+                           expected):
+            return False
+    return True
+
+
+def _fused_forward(module: nn.Module, own_forward, eps: float, invariant: bool):
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        if not invariant and is_batch_invariant_mode_enabled():
+            return own_forward(hidden_states)
         fused = fused_rms_norm(hidden_states, module.weight, eps)
         return own_forward(hidden_states) if fused is None else fused
 

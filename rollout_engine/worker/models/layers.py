@@ -2,9 +2,10 @@
 
 On the CPU their elementwise work runs through the compiled fused kernels
 (`kernels/csrc/fused_ops_cpu.cpp`: one pass per op instead of a chain of torch ops), rounded
-where Hugging Face's torch ops round; elsewhere, without the compiled kernels, with gradients
-enabled (they have no backward), or under batch invariance (whose trainer side runs Hugging
-Face's torch ops, so the engine runs exactly those), the torch ops themselves.
+where Hugging Face's torch ops round; elsewhere, without the compiled kernels or with gradients
+enabled (they have no backward), the torch ops themselves. Under batch invariance the fused ops
+sum RMSNorm's squares and take SiLU's exp in the order the mode gives torch's `mean` and
+`F.silu` (the trainer's side runs Hugging Face's torch ops), so both give the same bits.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_extension
+from kernels.triton_utils import batch_invariant_runs_triton
 from rollout_engine.batch_invariant import is_batch_invariant_mode_enabled
 from rollout_engine.worker.lora.slots import LoRAPoint
 from rollout_engine.worker.models.packed_linear import PackedLinear
@@ -28,14 +30,18 @@ from rollout_engine.worker.tp.tp_group import TPGroup
 
 def runs_fused(x: torch.Tensor) -> bool:
     """Whether ops on `x` run through the compiled fused CPU kernels (see the module doc)."""
-    return (x.device.type == "cpu" and not torch.is_grad_enabled() and cpu_extension.available()
-            and not is_batch_invariant_mode_enabled())
+    if x.device.type != "cpu" or torch.is_grad_enabled() or not cpu_extension.available():
+        return False
+    # Batch invariance: the fused ops' invariant forms take float32 and 16-bit dtypes, and
+    # the CPU's order (not the Triton kernels', which Triton's interpreter runs on the CPU).
+    return not is_batch_invariant_mode_enabled() or (
+        x.dtype != torch.float64 and not batch_invariant_runs_triton(x))
 
 
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """Hugging Face's RMSNorm of x through the fused op, or None where the torch ops must run."""
     if runs_fused(x) and weight.dtype == x.dtype:
-        return cpu_extension.rms_norm(x, weight, eps)
+        return cpu_extension.rms_norm(x, weight, eps, is_batch_invariant_mode_enabled())
     return None
 
 
@@ -62,7 +68,8 @@ class RMSNorm(nn.Module):
         fused path writes both into x's and residual's memory (both the caller's to give)."""
         if (runs_fused(x) and self.weight.dtype == x.dtype == residual.dtype
                 and x.is_contiguous() and residual.is_contiguous()):
-            cpu_extension.add_rms_norm(x, residual, self.weight, self.eps)
+            cpu_extension.add_rms_norm(x, residual, self.weight, self.eps,
+                                       is_batch_invariant_mode_enabled())
             return x, residual
         residual = x + residual
         return self(residual), residual
@@ -193,7 +200,8 @@ class GatedMLP(nn.Module):
         if self.lora_gate_up is not None:
             self.lora_gate_up.add(x, gate_up.split(self.packed_gate_up.split_sizes, -1))
         if self.act is F.silu and runs_fused(x):
-            return self._down(cpu_extension.silu_and_mul(gate_up))
+            return self._down(cpu_extension.silu_and_mul(gate_up,
+                                                         is_batch_invariant_mode_enabled()))
         gate, up = gate_up.split(self.packed_gate_up.split_sizes, -1)
         return self._down(self.act(gate) * up)
 

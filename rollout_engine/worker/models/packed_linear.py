@@ -5,6 +5,11 @@ On the engine's small GEMMs (64-256 rows of a decode step) oneDNN with a packed 
 benchmarks/README.md). q|k|v and gate|up are packed as one weight each: one GEMM instead of
 three or two.
 
+Under batch invariance (`ModelConfig.batch_invariant`) the same fused linears run the
+batch-invariant GEMM on its own packed layout (`rollout_engine.batch_invariant`): each output
+column's bits are those of its own linear alone, so fusing q|k|v and gate|up changes none, and
+the call skips the mode's per-call routing.
+
 A packed weight is a derived copy, outside the `weights` pool: the parameters stay the
 checkpoint's tensors, whose addresses, updates and sleep backups the engine manages. So the
 copies are dropped whenever the weights change or leave (a completed weight update, sleep)
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_extension
 from rollout_engine.worker.models.experts import PackedExperts, can_pack_experts, pack_experts
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -66,6 +72,10 @@ class PackedLinear:
     bias: torch.Tensor | None
     split_sizes: list[int] | None
     """Out features of each fused linear (None: one linear)."""
+    out_features: int
+    invariant: bool = False
+    """`weight` is in the batch-invariant GEMM's layout (`cpu_extension.batch_invariant_pack`),
+    which runs it (any row count: its bits do not depend on it, so no bucket)."""
 
     def __call__(self, x: torch.Tensor,
                  split: bool = True) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -74,10 +84,14 @@ class PackedLinear:
         leading = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
         num_rows = x.shape[0]
-        bucket = row_bucket(num_rows)
-        if bucket != num_rows:
-            x = torch.cat([x, x.new_zeros(bucket - num_rows, x.shape[1])])
-        out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.invariant:
+            out = cpu_extension.batch_invariant_linear_packed(x, self.weight, self.out_features,
+                                                             self.bias)
+        else:
+            bucket = row_bucket(num_rows)
+            if bucket != num_rows:
+                x = torch.cat([x, x.new_zeros(bucket - num_rows, x.shape[1])])
+            out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         out = out[:num_rows].reshape(*leading, -1)
         return out if self.split_sizes is None or not split else out.split(self.split_sizes, -1)
 
@@ -87,25 +101,30 @@ class PackedLinear:
         return self.weight.numel() * self.weight.element_size() + bias_bytes
 
 
-def pack(weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> PackedLinear:
-    """Linears of the same input, their weights side by side (fused along the output), packed.
-    `biases` None: no bias here (or the caller adds it, as a row-parallel linear does after
-    the all-reduce)."""
+def pack(weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None,
+         invariant: bool = False) -> PackedLinear:
+    """Linears of the same input, their weights side by side (fused along the output), packed
+    (for the batch-invariant GEMM with `invariant`). `biases` None: no bias here (or the caller
+    adds it, as a row-parallel linear does after the all-reduce)."""
     weights = [w.detach() for w in weights]
     weight = weights[0] if len(weights) == 1 else torch.cat(weights)
     bias = None
     if biases is not None:
         bias = torch.cat([b.detach() for b in biases])  # a copy, also of a single bias
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_SIZE_HINT)
+    if invariant:
+        packed = cpu_extension.batch_invariant_pack(weight)
+    else:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_SIZE_HINT)
     split_sizes = [w.shape[0] for w in weights] if len(weights) > 1 else None
-    return PackedLinear(packed, bias, split_sizes)
+    return PackedLinear(packed, bias, split_sizes, weight.shape[0], invariant)
 
 
-def _pack_linears(linears: list[torch.nn.Linear], with_bias: bool) -> PackedLinear:
+def _pack_linears(linears: list[torch.nn.Linear], with_bias: bool,
+                  invariant: bool = False) -> PackedLinear:
     biases = [linear.bias for linear in linears] if with_bias else None
     if biases is not None and biases[0] is None:
         biases = None
-    return pack([linear.weight for linear in linears], biases)
+    return pack([linear.weight for linear in linears], biases, invariant)
 
 
 class PackedCopies:
@@ -148,24 +167,27 @@ class PackedCopies:
 
 class PackedWeights(PackedCopies):
     """The native decoder's linears, q|k|v and gate|up fused. Each layer module reads its own
-    (`packed_qkv`, `packed`...); None means the plain `F.linear` path."""
+    (`packed_qkv`, `packed`...); None means the plain `F.linear` path. `invariant`: for the
+    batch-invariant GEMM (see the module doc)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, invariant: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.invariant = invariant
 
     def _install(self) -> list[PackedLinear]:
         copies = []
         for layer in self.model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            attn.packed_qkv = _pack_linears([attn.q_proj, attn.k_proj, attn.v_proj], True)
+            fused = functools.partial(_pack_linears, invariant=self.invariant)
+            attn.packed_qkv = fused([attn.q_proj, attn.k_proj, attn.v_proj], True)
             # A row-parallel linear's bias is added once, after the all-reduce.
-            attn.o_proj.packed = _pack_linears([attn.o_proj], attn.o_proj.tp.size == 1)
-            mlp.packed_gate_up = _pack_linears([mlp.gate_proj, mlp.up_proj], True)
-            mlp.down_proj.packed = _pack_linears([mlp.down_proj], mlp.down_proj.tp.size == 1)
+            attn.o_proj.packed = fused([attn.o_proj], attn.o_proj.tp.size == 1)
+            mlp.packed_gate_up = fused([mlp.gate_proj, mlp.up_proj], True)
+            mlp.down_proj.packed = fused([mlp.down_proj], mlp.down_proj.tp.size == 1)
             copies += [attn.packed_qkv, attn.o_proj.packed, mlp.packed_gate_up,
                        mlp.down_proj.packed]
-        self.model.packed_logits = pack([self.model.logits_weight])
+        self.model.packed_logits = pack([self.model.logits_weight], invariant=self.invariant)
         return [*copies, self.model.packed_logits]
 
     def _uninstall(self) -> None:

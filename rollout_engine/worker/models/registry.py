@@ -110,6 +110,11 @@ class ModelBackend(ABC):
     def packed_linears(self, model: CausalLM) -> PackedCopies:
         """CPU: the model's linears as oneDNN packs them (see `packed_linear.py`)."""
 
+    def invariant_packed_linears(self, model: CausalLM) -> PackedCopies | None:
+        """CPU, batch invariance: the model's linears packed for the batch-invariant GEMM, or
+        None where they go through the mode's routing of `F.linear` (the same bits)."""
+        return None
+
 
 class NativeBackend(ModelBackend):
     """Our decoder (Llama, Qwen2, Qwen3): split over tensor-parallel ranks, captured in CUDA
@@ -143,6 +148,9 @@ class NativeBackend(ModelBackend):
 
     def packed_linears(self, model: DecoderForCausalLM) -> PackedWeights:
         return PackedWeights(model)
+
+    def invariant_packed_linears(self, model: DecoderForCausalLM) -> PackedWeights:
+        return PackedWeights(model, invariant=True)
 
 
 class TransformersBackend(ModelBackend):
