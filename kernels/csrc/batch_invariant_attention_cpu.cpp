@@ -11,7 +11,8 @@
 //   - m' = max(m, max_j s_j) (a maximum is exact in any order); alpha = exp(m - m');
 //     every exp is `exp_lane` (batch_invariant_vec.h), sixteen at a time where the CPU can:
 //     libm's exp could differ between machines and would cost a call per score;
-//   - l = l * alpha, then l = l + exp(s_j - m') for j in order;
+//   - l = fma(l, alpha, sum_j exp(s_j - m')), the group's sum in `tree_sum`'s order (lane j
+//     holds key j, a partial group's missing keys 0; lanes i + i+8, i + i+4, i + i+2, i + i+1);
 //   - acc[d] = acc[d] * alpha, then acc[d] = fma(exp(s_j - m'), v_j[d], acc[d]) for j in order;
 //
 // and out[d] = acc[d] / l, rounded to the input dtype (zeros where no key is visible). All math
@@ -125,16 +126,12 @@ __attribute__((noinline)) void attend_keys(const float* const* queries, int64_t 
           scores = Vec16::load(s[u]);
         }
         const float m = st.maxima[i], m_new = std::max(m, scores.max());
-        Vec16::exp(Vec16::sub(scores, Vec16::broadcast(m_new))).store(p[u]);
+        const Vec16 weights = Vec16::exp(Vec16::sub(scores, Vec16::broadcast(m_new)));
+        weights.store(p[u]);
         alpha[u] = batch_invariant::exp_lane(m - m_new);  // 0 for the first group (m = -inf)
+        st.sums[i] = std::fma(st.sums[i], alpha[u], weights.tree_sum());
         st.maxima[i] = m_new;
       }
-      // Each query's l: l * alpha, then + p[j] in order; the queries' chains side by side.
-      float l[kTogether];
-      for (int64_t u = 0; u < together; ++u) l[u] = st.sums[i0 + u] * alpha[u];
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t u = 0; u < together; ++u) l[u] = l[u] + p[u][j];
-      for (int64_t u = 0; u < together; ++u) st.sums[i0 + u] = l[u];
       accumulate_values(values + g, n, p, alpha, together, value_dim, st.acc + i0 * value_dim);
     }
   }
@@ -144,10 +141,25 @@ __attribute__((noinline)) void attend_keys(const float* const* queries, int64_t 
 template <typename scalar_t>
 inline void attend_finish(Running st, int64_t num_queries, int64_t value_dim, bool saw_keys,
                           scalar_t* const* outs) {
-  for (int64_t i = 0; i < num_queries; ++i)
-    for (int64_t d = 0; d < value_dim; ++d)
-      outs[i][d] = saw_keys ? static_cast<scalar_t>(st.acc[i * value_dim + d] / st.sums[i])
-                            : scalar_t(0);
+  alignas(64) float quotient[kLanes];
+  for (int64_t i = 0; i < num_queries; ++i) {
+    const float* acc = st.acc + i * value_dim;
+    int64_t d = 0;
+    for (; saw_keys && d + kLanes <= value_dim; d += kLanes) {  // the same divisions, 16 wide
+      Vec16::div(Vec16::load(acc + d), Vec16::broadcast(st.sums[i])).store(quotient);
+      for (int64_t j = 0; j < kLanes; ++j) outs[i][d + j] = static_cast<scalar_t>(quotient[j]);
+    }
+    for (; d < value_dim; ++d)
+      outs[i][d] = saw_keys ? static_cast<scalar_t>(acc[d] / st.sums[i]) : scalar_t(0);
+  }
+}
+
+// A query row widened to float32 (exactly).
+template <typename scalar_t>
+inline void widen_row(const scalar_t* row, int64_t dim, float* out) {
+  int64_t d = 0;
+  for (; d + kLanes <= dim; d += kLanes) Vec16::load(row + d).store(out + d);
+  for (; d < dim; ++d) out[d] = static_cast<float>(row[d]);
 }
 
 // The queries over the same `count` keys, from a fresh state to their outputs. Scratch: `acc`
@@ -356,6 +368,10 @@ void paged_kernel(const at::Tensor& q, const at::Tensor& key_cache,
   const std::vector<Item> items = share_prefixes(R, starts, lens, tables, table_stride,
                                                  block_size, sliding_window > 0);
   // The query heads of one key/value head go together: they see the same keys.
+  const int64_t k_strides[3] = {key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)};
+  const int64_t v_strides[3] = {value_cache.stride(0), value_cache.stride(1),
+                                value_cache.stride(2)};
+  const int64_t q_strides[2] = {q.stride(0), q.stride(1)};
   at::parallel_for(0, static_cast<int64_t>(items.size()) * Hk, 1, [&](int64_t begin,
                                                                       int64_t end) {
     std::vector<const scalar_t*> keys, values;
@@ -364,14 +380,14 @@ void paged_kernel(const at::Tensor& q, const at::Tensor& key_cache,
     std::vector<scalar_t*> outs;
     // Pointers to the keys [from, to) of request r under key/value head hk.
     auto gather = [&](int64_t r, int64_t hk, int64_t from, int64_t to) {
-      keys.clear();
-      values.clear();
+      keys.resize(std::max<int64_t>(to - from, 0));
+      values.resize(keys.size());
+      const scalar_t* k_head = kp + hk * k_strides[2];
+      const scalar_t* v_head = vp + hk * v_strides[2];
       for (int64_t j = from; j < to; ++j) {
         const int64_t block = tables[r * table_stride + j / block_size], slot = j % block_size;
-        keys.push_back(kp + block * key_cache.stride(0) + slot * key_cache.stride(1) +
-                       hk * key_cache.stride(2));
-        values.push_back(vp + block * value_cache.stride(0) + slot * value_cache.stride(1) +
-                         hk * value_cache.stride(2));
+        keys[j - from] = k_head + block * k_strides[0] + slot * k_strides[1];
+        values[j - from] = v_head + block * v_strides[0] + slot * v_strides[1];
       }
     };
     for (int64_t index = begin; index < end; ++index) {
@@ -389,8 +405,7 @@ void paged_kernel(const at::Tensor& q, const at::Tensor& key_cache,
         const int64_t t = item.tokens[m];
         for (int64_t g = 0; g < per_kv; ++g) {
           const int64_t i = m * per_kv + g;
-          const scalar_t* qrow = qp + t * q.stride(0) + (h0 + g) * q.stride(1);
-          for (int64_t d = 0; d < D; ++d) qf[i * D + d] = static_cast<float>(qrow[d]);
+          widen_row(qp + t * q_strides[0] + (h0 + g) * q_strides[1], D, qf.data() + i * D);
           queries[i] = qf.data() + i * D;
           outs[i] = op + (t * H + h0 + g) * Dv;
         }
