@@ -55,9 +55,9 @@ class ModelConfig:
     batch_invariant: bool = False
     """Every step in `rollout_engine.batch_invariant`'s mode: linear layers and attention whose
     bits do not depend on the batch, the chunking or the prefix cache, so a token's logprob
-    equals what a trainer computes under `set_batch_invariant_mode()`. CPU (turns the packed
-    oneDNN weights off: their GEMMs reduce by shape) or CUDA (Triton kernels, no CUDA graphs
-    so far)."""
+    equals what a trainer computes under `set_batch_invariant_mode()`. CPU (the linears packed
+    for the batch-invariant GEMM, not oneDNN, whose GEMMs reduce by shape) or CUDA (Triton
+    kernels, no CUDA graphs so far)."""
     cuda_graphs: bool = False
     """Replay plain decode steps from CUDA graphs, one per batch-size bucket (vLLM's
     default; its `enforce_eager` turns them off). Off by default until a GPU run has shown
