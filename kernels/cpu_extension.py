@@ -207,6 +207,16 @@ def batch_invariant_attention(query: torch.Tensor, key: torch.Tensor, value: tor
                                                            bool(is_causal), float(scale))
 
 
+def batch_invariant_attention_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                  mask: torch.Tensor | None, is_causal: bool,
+                                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch_invariant_attention`'s output (the same bits) and each query's log-sum-exp of its
+    scaled scores ([B, H, Lq] float32; 0 where a query sees no key), as sdpa's flash kernel
+    returns them for its backward."""
+    return torch.ops.rollout_cpu.batch_invariant_attention_lse(query, key, value, mask,
+                                                               bool(is_causal), float(scale))
+
+
 def batch_invariant_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
                                     value_cache: torch.Tensor, block_tables: torch.Tensor,
                                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor,

@@ -224,26 +224,48 @@ def _visible(mask: torch.Tensor) -> torch.Tensor:
     return visible
 
 
+_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward",
+                          None)
+"""sdpa's CPU flash backward, given the forward's output and log-sum-exp (None: not in this
+torch; the backward then recomputes sdpa's forward)."""
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, visible, is_causal, scale):
-        ctx.save_for_backward(query, key, value, visible)
         ctx.is_causal, ctx.scale = is_causal, scale
         if runs_triton(query):
             from kernels import triton_batch_invariant
 
+            ctx.save_for_backward(query, key, value, visible)
             return triton_batch_invariant.dense_attention(query, key, value, visible, is_causal,
                                                           scale)
+        if _FLASH_BACKWARD is not None and query.shape[-1] == value.shape[-1]:
+            out, lse = cpu_extension.batch_invariant_attention_lse(query, key, value, visible,
+                                                                   is_causal, scale)
+            ctx.save_for_backward(query, key, value, visible, out, lse)
+            return out
+        ctx.save_for_backward(query, key, value, visible)
         return cpu_extension.batch_invariant_attention(query, key, value, visible, is_causal,
                                                        scale)
 
     @staticmethod
     def backward(ctx, grad_out):
-        """Gradients of the same attention from sdpa's own backward (correct, not invariant),
-        recomputing its forward: torch's fused kernels, not a float32 score matrix (which cost
-        the trainer's step 1.6x its plain time in bf16). A query that sees no key has a zero
-        output in both (torch >= 2.5), so no gradient."""
-        query, key, value, visible = ctx.saved_tensors
+        """Gradients of the same attention from sdpa's own backward (correct, not invariant): on
+        the CPU its flash kernel's backward, given our output and log-sum-exp; elsewhere
+        recomputing sdpa's forward. Torch's fused kernels, not a float32 score matrix (which
+        cost the trainer's step 1.6x its plain time in bf16). A query that sees no key has a
+        zero output in both (torch >= 2.5), so no gradient."""
+        saved = ctx.saved_tensors  # once: checkpointing refuses a second unpack
+        if len(saved) == 6:
+            query, key, value, visible, out, lse = saved
+            mask = None if visible is None else torch.zeros(
+                visible.shape, dtype=query.dtype).masked_fill_(~visible, float("-inf"))
+            grads = _FLASH_BACKWARD(grad_out, query, key, value, out, lse, 0.0,
+                                    ctx.is_causal and visible is None, attn_mask=mask,
+                                    scale=ctx.scale)
+            return (*grads, None, None, None)
+        query, key, value, visible = saved
         with torch.enable_grad(), torch._C.DisableTorchFunction():  # not routed back here
             inputs = [t.detach().requires_grad_() for t in (query, key, value)]
             out = F.scaled_dot_product_attention(

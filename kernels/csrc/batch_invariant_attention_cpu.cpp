@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "batch_invariant_vec.h"
@@ -186,9 +187,13 @@ inline bool visible_run(const bool* row, int64_t stride, int64_t length, int64_t
   return j == length;
 }
 
+// `lse` (may be null): each query's log-sum-exp of its scaled scores, m + log(l), [B, H, Lq]
+// float32, 0 for a query that sees no key (sdpa's flash kernel's convention; the backward
+// needs it finite there).
 template <typename scalar_t>
 void dense_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  const at::Tensor* mask, bool is_causal, float scale, at::Tensor& out) {
+                  const at::Tensor* mask, bool is_causal, float scale, at::Tensor& out,
+                  float* lse) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
   const int64_t Hk = k.size(1), Lk = k.size(2), Dv = v.size(3);
   const int64_t per_kv = H / Hk;
@@ -242,14 +247,18 @@ void dense_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       }
       attend<scalar_t>(queries.data(), together, D, row_keys + first, row_values + first, count,
                        Dv, scale, acc.data(), state.data(), outs.data());
+      for (int64_t g = 0; lse != nullptr && g < together; ++g)  // state: maxima, then sums
+        lse[(b * H + h0 + g) * Lq + i] =
+            count > 0 ? state[g] + std::log(state[together + g]) : 0.f;
     }
   });
 }
 
-at::Tensor batch_invariant_attention(const at::Tensor& query, const at::Tensor& key,
-                                     const at::Tensor& value,
-                                     const std::optional<at::Tensor>& mask, bool is_causal,
-                                     double scale) {
+std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& query,
+                                                   const at::Tensor& key,
+                                                   const at::Tensor& value,
+                                                   const std::optional<at::Tensor>& mask,
+                                                   bool is_causal, double scale, bool with_lse) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4,
               "batch_invariant_attention: q, k, v must be [B, H, L, D]");
   TORCH_CHECK(key.size(0) == query.size(0) && value.size(0) == query.size(0),
@@ -273,12 +282,30 @@ at::Tensor batch_invariant_attention(const at::Tensor& query, const at::Tensor& 
     m = mask->expand({q.size(0), q.size(1), q.size(2), k.size(2)});
   }
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  at::Tensor lse = with_lse ? at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(
+                                  at::kFloat))
+                            : at::Tensor();
+  float* lp = with_lse ? lse.data_ptr<float>() : nullptr;
   const float s = static_cast<float>(scale);
   const at::Tensor* mp = m.defined() ? &m : nullptr;
-  if (dtype == at::kFloat) dense_kernel<float>(q, k, v, mp, is_causal, s, out);
-  else if (dtype == at::kBFloat16) dense_kernel<at::BFloat16>(q, k, v, mp, is_causal, s, out);
-  else dense_kernel<at::Half>(q, k, v, mp, is_causal, s, out);
-  return out;
+  if (dtype == at::kFloat) dense_kernel<float>(q, k, v, mp, is_causal, s, out, lp);
+  else if (dtype == at::kBFloat16) dense_kernel<at::BFloat16>(q, k, v, mp, is_causal, s, out, lp);
+  else dense_kernel<at::Half>(q, k, v, mp, is_causal, s, out, lp);
+  return {out, lse};
+}
+
+at::Tensor batch_invariant_attention(const at::Tensor& query, const at::Tensor& key,
+                                     const at::Tensor& value,
+                                     const std::optional<at::Tensor>& mask, bool is_causal,
+                                     double scale) {
+  return std::get<0>(dense_attention(query, key, value, mask, is_causal, scale, false));
+}
+
+// The same, and each query's log-sum-exp (what sdpa's flash backward takes with the output).
+std::tuple<at::Tensor, at::Tensor> batch_invariant_attention_lse(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& mask, bool is_causal, double scale) {
+  return dense_attention(query, key, value, mask, is_causal, scale, true);
 }
 
 // The n samples of a prompt decode over the same first blocks (the prefix cache gives them the
@@ -486,6 +513,9 @@ TORCH_LIBRARY_FRAGMENT(rollout_cpu, m) {
       "batch_invariant_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, "
       "bool is_causal, float scale) -> Tensor");
   m.def(
+      "batch_invariant_attention_lse(Tensor query, Tensor key, Tensor value, Tensor? mask, "
+      "bool is_causal, float scale) -> (Tensor, Tensor)");
+  m.def(
       "batch_invariant_paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
       "int sliding_window) -> Tensor");
@@ -493,5 +523,6 @@ TORCH_LIBRARY_FRAGMENT(rollout_cpu, m) {
 
 TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) {
   m.impl("batch_invariant_attention", &batch_invariant_attention);
+  m.impl("batch_invariant_attention_lse", &batch_invariant_attention_lse);
   m.impl("batch_invariant_paged_attention", &batch_invariant_paged_attention);
 }

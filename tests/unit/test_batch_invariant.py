@@ -225,6 +225,37 @@ def test_attention_gradients_are_sdpas():
         torch.testing.assert_close(grad.double(), t.grad, rtol=1e-4, atol=1e-5)
 
 
+def test_the_backward_takes_the_kernels_log_sum_exp_grouped_heads_and_bf16():
+    """The CPU backward is sdpa's flash backward given our output and log-sum-exp: the
+    log-sum-exp is the scores' (0 where a query sees no key), and grouped heads in bf16 get
+    gradients as close to float64 math as sdpa's own."""
+    from kernels import cpu_extension
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 12, 16, generator=generator)
+    k, v = (torch.randn(2, 2, 12, 16, generator=generator) for _ in range(2))
+    visible = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril()
+    visible[0, :, :, :5] = False  # row 0 left-padded: its first 5 queries see no key
+    _, lse = cpu_extension.batch_invariant_attention_lse(q, k, v, visible, False, 0.25)
+    wide = [t.double().repeat_interleave(r, 1) for t, r in ((q, 1), (k, 2), (v, 2))]
+    scores = (wide[0] @ wide[1].transpose(-1, -2) * 0.25).masked_fill(~visible, float("-inf"))
+    expected = torch.logsumexp(scores, -1).nan_to_num(0.0, neginf=0.0)
+    torch.testing.assert_close(lse.double(), expected, rtol=1e-5, atol=1e-5)
+    assert (lse[0, :, :5] == 0).all()
+
+    inputs = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    grad_out = torch.randn(2, 4, 12, 16, generator=generator).bfloat16()
+    ours = torch.autograd.grad(attention(*inputs, attn_mask=visible, scale=0.25,
+                                         enable_gqa=True), inputs, grad_out)
+    torchs = torch.autograd.grad(F.scaled_dot_product_attention(
+        *inputs, attn_mask=visible, scale=0.25, enable_gqa=True), inputs, grad_out)
+    wide = [t.detach().double().requires_grad_() for t in inputs]
+    scores = (wide[0] @ wide[1].repeat_interleave(2, 1).transpose(-1, -2) * 0.25)
+    out = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
+    exact = torch.autograd.grad(out @ wide[2].repeat_interleave(2, 1), wide, grad_out.double())
+    for mine, theirs, truth in zip(ours, torchs, exact, strict=True):
+        error, sdpa_error = ((g.double() - truth).abs().max() for g in (mine, theirs))
+        assert error <= 2 * sdpa_error + 1e-3, (error, sdpa_error)
+
 def test_attention_refuses_what_it_cannot_keep_invariant():
     q = torch.randn(1, 2, 4, 16)
     with pytest.raises(ValueError, match="dropout"):
