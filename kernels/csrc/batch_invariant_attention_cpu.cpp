@@ -7,7 +7,11 @@
 // each group, in order:
 //
 //   - scores s_j = dot(q, k_j) * scale, the dot product in the linear layer's order (16 FMA
-//     lanes over the head dimension, a fixed tree; batch_invariant_vec.h);
+//     lanes over the head dimension, a fixed tree; batch_invariant_vec.h); bfloat16 on a CPU
+//     with AVX512_BF16 (head dims of whole 32s): lane i adds, per 32 dims in order, the pair
+//     (2i, 2i + 1) of exact products with vdpbf16ps, then the same tree (`dot16_dpbf16`; so
+//     bfloat16 bits differ between CPUs with and without it, as the linear layer's do;
+//     ROLLOUT_ENGINE_BI_DPBF16=0 turns both off);
 //   - m' = max(m, max_j s_j) (a maximum is exact in any order); alpha = exp(m - m');
 //     every exp is `exp_lane` (batch_invariant_vec.h), sixteen at a time where the CPU can:
 //     libm's exp could differ between machines and would cost a call per score;
@@ -38,6 +42,7 @@
 #include <tuple>
 #include <vector>
 
+#include "batch_invariant_dpbf16.h"
 #include "batch_invariant_vec.h"
 
 namespace {
@@ -53,6 +58,64 @@ using batch_invariant::Vec16;
 constexpr int64_t kGroup = 16;  // keys per softmax group
 constexpr int64_t kDot16From = 4;  // a partial group of this many keys takes dot16 (not tuned)
 static_assert(kGroup == kLanes, "dot16 computes one group's scores");
+
+#ifdef BATCH_INVARIANT_DPBF16
+// The scores of a group's 16 keys (a partial group's missing keys: any row, their scores are
+// dropped) for kQueries bfloat16 query vectors (given widened: narrowing them back is exact):
+// per key, lane i adds the pairs (2i, 2i + 1) of exact products of each 32 dims in order
+// (vdpbf16ps), then dot16's tree over the lanes. Each key row is loaded once for the queries;
+// the keys in two halves so that the accumulators fit the registers. A query's operations are
+// those it gets alone.
+template <int kQueries>
+inline void dot16_dpbf16(const float* const* queries, const at::BFloat16* const* keys,
+                         int64_t dim, float (*out)[kGroup]) {
+  __m512 r1[kQueries][8];
+  for (int half = 0; half < 2; ++half) {
+    __m512 a[kQueries][8];  // slot t: key 4 half + t (t < 4), key 4 half + t + 4 (t >= 4)
+    for (int u = 0; u < kQueries; ++u)
+      for (int t = 0; t < 8; ++t) a[u][t] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 32) {
+      __m512bh x[kQueries];
+      for (int u = 0; u < kQueries; ++u)
+        x[u] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(queries[u] + d + 16),
+                                   _mm512_loadu_ps(queries[u] + d));
+      for (int t = 0; t < 8; ++t) {
+        const __m512bh k =
+            (__m512bh)_mm512_loadu_si512(keys[4 * half + (t < 4 ? t : t + 4)] + d);
+        for (int u = 0; u < kQueries; ++u) a[u][t] = _mm512_dpbf16_ps(a[u][t], x[u], k);
+      }
+    }
+    for (int u = 0; u < kQueries; ++u)
+      for (int t = 0; t < 4; ++t)
+        r1[u][4 * half + t] = batch_invariant::dot16_level1(a[u][t], a[u][t + 4]);
+  }
+  for (int u = 0; u < kQueries; ++u) batch_invariant::dot16_finish(r1[u], out[u]);
+}
+#endif
+
+// Whether bfloat16 scores run on `dot16_dpbf16` (for every group, whole or partial).
+template <typename scalar_t>
+inline bool scores_on_pairs(int64_t dim) {
+#ifdef BATCH_INVARIANT_DPBF16
+  return std::is_same_v<scalar_t, at::BFloat16> && dim % 32 == 0 &&
+         batch_invariant::dpbf16::available();
+#else
+  return false;
+#endif
+}
+
+// A group's scores for `together` (1 or kTogether) queries on `dot16_dpbf16`, where
+// `scores_on_pairs` said so.
+template <typename scalar_t>
+inline void scores_by_pairs(const float* const* queries, int64_t together,
+                            const scalar_t* const* group, int64_t dim, float (*out)[kGroup]) {
+#ifdef BATCH_INVARIANT_DPBF16
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    if (together == 2) return dot16_dpbf16<2>(queries, group, dim, out);
+    return dot16_dpbf16<1>(queries, group, dim, out);
+  }
+#endif
+}
 
 // Blocks of a paged cache lie anywhere, so the hardware cannot guess the next one: while a
 // group is computed, the rows kPrefetchGroups groups ahead are asked for, into L2 (as
@@ -96,6 +159,7 @@ __attribute__((noinline)) void attend_keys(const float* const* queries, int64_t 
                                            int64_t value_dim, float scale, Running st) {
   constexpr float kNone = -std::numeric_limits<float>::infinity();
   alignas(64) float s[kTogether][kGroup], p[kTogether][kGroup];
+  const bool pairs = scores_on_pairs<scalar_t>(dim);
   for (int64_t g = 0; g < count; g += kGroup) {
     const int64_t n = std::min(kGroup, count - g);
     // The first call asks for its first groups, then each group for the one kPrefetchGroups on.
@@ -111,14 +175,16 @@ __attribute__((noinline)) void attend_keys(const float* const* queries, int64_t 
     for (int64_t i0 = 0; i0 < num_queries; i0 += kTogether) {
       const int64_t together = std::min<int64_t>(kTogether, num_queries - i0);
       float alpha[kTogether];
-      if (n >= kDot16From && together == 2)
+      if (pairs)
+        scores_by_pairs(queries + i0, together, group, dim, s);
+      else if (n >= kDot16From && together == 2)
         batch_invariant::dot16_pair(queries[i0], queries[i0 + 1], group, dim, s[0], s[1]);
       else if (n >= kDot16From)
         dot16(queries[i0], group, dim, s[0]);
       for (int64_t u = 0; u < together; ++u) {
         const int64_t i = i0 + u;
         Vec16 scores;  // dot * scale; -inf past a partial group's keys (weight 0)
-        if (n >= kDot16From) {
+        if (pairs || n >= kDot16From) {
           for (int64_t j = n; j < kGroup; ++j) s[u][j] = kNone;
           scores = Vec16::mul(Vec16::load(s[u]), Vec16::broadcast(scale));
         } else {
