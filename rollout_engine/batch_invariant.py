@@ -233,14 +233,17 @@ torch; the backward then recomputes sdpa's forward)."""
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, visible, is_causal, scale):
-        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.is_causal, ctx.scale, ctx.flash = is_causal, scale, False
         if runs_triton(query):
             from kernels import triton_batch_invariant
 
             ctx.save_for_backward(query, key, value, visible)
             return triton_batch_invariant.dense_attention(query, key, value, visible, is_causal,
                                                           scale)
-        if _FLASH_BACKWARD is not None and query.shape[-1] == value.shape[-1]:
+        # The log-sum-exp only where a backward will take it.
+        ctx.flash = (_FLASH_BACKWARD is not None and query.shape[-1] == value.shape[-1]
+                     and any(ctx.needs_input_grad[:3]))
+        if ctx.flash:
             out, lse = cpu_extension.batch_invariant_attention_lse(query, key, value, visible,
                                                                    is_causal, scale)
             ctx.save_for_backward(query, key, value, visible, out, lse)
@@ -257,7 +260,7 @@ class _Attention(torch.autograd.Function):
         cost the trainer's step 1.6x its plain time in bf16). A query that sees no key has a
         zero output in both (torch >= 2.5), so no gradient."""
         saved = ctx.saved_tensors  # once: checkpointing refuses a second unpack
-        if len(saved) == 6:
+        if ctx.flash:
             query, key, value, visible, out, lse = saved
             mask = None if visible is None else torch.zeros(
                 visible.shape, dtype=query.dtype).masked_fill_(~visible, float("-inf"))

@@ -264,6 +264,7 @@ def test_the_backward_takes_the_kernels_log_sum_exp_grouped_heads_and_bf16():
         error, sdpa_error = ((g.double() - truth).abs().max() for g in (mine, theirs))
         assert error <= 2 * sdpa_error + 1e-3, (error, sdpa_error)
 
+
 def test_attention_refuses_what_it_cannot_keep_invariant():
     q = torch.randn(1, 2, 4, 16)
     with pytest.raises(ValueError, match="dropout"):
