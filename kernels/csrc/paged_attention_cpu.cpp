@@ -11,7 +11,10 @@
 // own blocks with the same running softmax state. That is the cascade of the torch path without
 // its merge step. The prefix is wholly before every member's first query position (the caller's
 // grouping guarantees it), so it needs no causal mask; the own blocks are masked per token.
-// A request that shares nothing is a group of one with `shared` = 0.
+// A request that shares nothing is a group of one with `shared` = 0. With AVX-512, a group's
+// shared blocks go sixteen query vectors at a time through the lanes path (`attend_lanes16`:
+// one vector per lane, no horizontal sums), its own blocks through tiles of the query heads of
+// one token (`attend_tile16`: head dims in the lanes).
 //
 // A sliding window W > 0 (a per-layer setting) hides the keys more than W - 1 positions before
 // a token's own: each vector's keys are [first_key, last_key], and blocks wholly before every
@@ -40,6 +43,8 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -104,6 +109,10 @@ struct State {
   float scale = 1.f;
   std::vector<float> scores;  // a block's scores, then weights: kMaxTile rows of score_stride
   int64_t score_stride = 0;  // whole sixteen-lane vectors
+  // The lanes path (`attend_lanes16`): the scaled queries transposed, sixteen vectors to a
+  // chunk ([chunk][dim][16], 0 past the last vector); a block's scores, then weights, one
+  // sixteen-lane row per key; a block's keys widened to float32 (half-precision caches).
+  std::vector<float> qt, lane_scores, keys32;
   std::vector<int64_t> first_key;  // sliding window: the earliest key it sees (0 without one)
   std::vector<int64_t> last_key;  // causal limit: the token's own position
   float softcap = 0.f;  // > 0: scores s become softcap * tanh(s / softcap)
@@ -111,6 +120,8 @@ struct State {
   void resize(int64_t num_vec, int64_t dim, int64_t value_dim, int64_t block_size) {
     score_stride = (block_size + 15) / 16 * 16;
     scores.resize(kMaxTile * score_stride);
+    lane_scores.resize(score_stride * 16);
+    keys32.resize(score_stride * dim);
     if (static_cast<int64_t>(m.size()) >= num_vec) return;
     q.resize(num_vec * dim);
     qb.resize(num_vec * dim);
@@ -477,6 +488,138 @@ inline void attend_tile16(State& st, int64_t v0, const scalar_t* kblock, const s
 }
 #endif
 
+// Off with ROLLOUT_ENGINE_CPU_ATTN_LANES=0 (the tiles then take every block), read at every
+// call: for A/B runs in one process.
+inline bool lanes_enabled() {
+  const char* flag = std::getenv("ROLLOUT_ENGINE_CPU_ATTN_LANES");
+  return !(flag != nullptr && std::strcmp(flag, "0") == 0);
+}
+
+#ifdef ROLLOUT_CPU_VEC16
+// The lanes path: a shared prefix block for many query vectors at once. The tiles above put a
+// vector's head dims in the lanes, so every score ends in a horizontal sum and every block in a
+// per-vector maximum, exp and sum; with the n samples of a prompt over its blocks (GRPO: 8
+// samples x 2 query heads per KV head = 16 vectors), the lanes hold sixteen vectors instead:
+// a key's scores are kDim FMAs of the transposed queries with the key's dims broadcast, the
+// softmax's maximum, exp and sums run across keys lane by lane, and nothing is summed across
+// lanes. A chunk pays for all sixteen lanes whatever it fills; below kMinLanes vectors the
+// tiles are cheaper (measured: see `benchmarks/README.md`).
+constexpr int64_t kMinLanes = 8;
+
+// st.qt from st.q: vectors [0, num_vec) of `dim` scaled float32 queries, sixteen to a chunk.
+inline void transpose_queries(State& st, int64_t num_vec, int64_t dim) {
+  const int64_t chunks = (num_vec + 15) / 16;
+  st.qt.assign(chunks * dim * 16, 0.f);
+  for (int64_t i = 0; i < num_vec; ++i) {
+    float* dst = &st.qt[(i / 16) * dim * 16 + i % 16];
+    for (int64_t d = 0; d < dim; ++d) dst[d * 16] = st.q[i * dim + d];
+  }
+}
+
+// Scores of kRows keys (rows of `keys`, float32, `stride` apart) for the sixteen lanes of the
+// chunk `qt` ([kDim][16]), into rows of `out` (sixteen floats each).
+template <int kDim, int kRows>
+inline void lane_scores(const float* qt, const float* keys, int64_t stride, float* out) {
+  __m512 s[kRows];
+  for (int r = 0; r < kRows; ++r) s[r] = _mm512_setzero_ps();
+  for (int d0 = 0; d0 < kDim; d0 += 8) {
+    __m512 q[8];
+    for (int e = 0; e < 8; ++e) q[e] = _mm512_loadu_ps(qt + (d0 + e) * 16);
+    for (int r = 0; r < kRows; ++r) {
+      const float* k = keys + r * stride + d0;
+      for (int e = 0; e < 8; ++e) s[r] = _mm512_fmadd_ps(q[e], _mm512_set1_ps(k[e]), s[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(out + 16 * r, s[r]);
+}
+
+// acc of kT vectors (lanes t0..t0+kT-1 of the chunk) += their weights (rows of `w`, sixteen
+// floats per key) times the block's n value rows; the old acc scaled by `correction` first.
+template <int kDim, int kT, typename scalar_t>
+inline void lane_values(float* acc, const float* w, const float* correction, int t0,
+                        const scalar_t* values, int64_t vp, int64_t n) {
+  using namespace cpu_vec;
+  constexpr int kVecs = kDim / 16;
+  __m512 a[kT][kVecs];
+  for (int t = 0; t < kT; ++t) {
+    const __m512 c = _mm512_set1_ps(correction[t0 + t]);
+    for (int v = 0; v < kVecs; ++v)
+      a[t][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + t * kDim + 16 * v), c);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const scalar_t* row = values + j * vp;
+    __m512 p[kT];
+    for (int t = 0; t < kT; ++t) p[t] = _mm512_set1_ps(w[16 * j + t0 + t]);
+    for (int v = 0; v < kVecs; ++v) {
+      const __m512 value = load16(row + 16 * v);
+      for (int t = 0; t < kT; ++t) a[t][v] = _mm512_fmadd_ps(p[t], value, a[t][v]);
+    }
+  }
+  for (int t = 0; t < kT; ++t) {
+    for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(acc + t * kDim + 16 * v, a[t][v]);
+  }
+}
+
+// Vectors v0..v0+lanes-1 (v0 a multiple of 16, lanes <= 16) attend to all n keys of a block that
+// each of them sees whole (a shared prefix block: no causal limit; no window inside it).
+template <int kDim, typename scalar_t>
+inline void attend_lanes16(State& st, int64_t v0, int64_t lanes, const scalar_t* kblock,
+                           const scalar_t* vblock, int64_t kp, int64_t vp, int64_t n) {
+  using namespace cpu_vec;
+  const float* keys = nullptr;
+  int64_t key_stride = kp;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    keys = kblock;
+  } else {  // widened once here for all sixteen lanes, not once per broadcast
+    for (int64_t j = 0; j < n; ++j) {
+      for (int v = 0; v < kDim / 16; ++v)
+        _mm512_storeu_ps(&st.keys32[j * kDim + 16 * v], load16(kblock + j * kp + 16 * v));
+    }
+    keys = st.keys32.data();
+    key_stride = kDim;
+  }
+  const float* qt = &st.qt[v0 * kDim];
+  float* __restrict__ w = st.lane_scores.data();  // row j: key j's scores, then weights
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    lane_scores<kDim, 16>(qt, keys + j * key_stride, key_stride, w + 16 * j);
+  for (; j + 4 <= n; j += 4)
+    lane_scores<kDim, 4>(qt, keys + j * key_stride, key_stride, w + 16 * j);
+  for (; j < n; ++j) lane_scores<kDim, 1>(qt, keys + j * key_stride, key_stride, w + 16 * j);
+  if (st.softcap > 0.f) {
+    const __m512 cap = _mm512_set1_ps(st.softcap), inv = _mm512_set1_ps(1.f / st.softcap);
+    for (j = 0; j < n; ++j) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(w + 16 * j), inv);
+      _mm512_storeu_ps(w + 16 * j, _mm512_mul_ps(cap, tanh16(x)));
+    }
+  }
+  const __mmask16 live = lanes_between(0, lanes);
+  const __m512 m_old = _mm512_mask_loadu_ps(_mm512_set1_ps(-FLT_MAX), live, &st.m[v0]);
+  __m512 m_new = m_old;
+  for (j = 0; j < n; ++j) m_new = _mm512_max_ps(m_new, _mm512_loadu_ps(w + 16 * j));
+  // Lane by lane as in the tiles: 1 where the maximum stayed, (about) 0 on a vector's first
+  // block without a sink, where acc and l are 0 anyway.
+  const __m512 correction = exp16(_mm512_sub_ps(m_old, m_new));
+  __m512 mass = _mm512_setzero_ps();
+  for (j = 0; j < n; ++j) {
+    const __m512 weight = exp16(_mm512_sub_ps(_mm512_loadu_ps(w + 16 * j), m_new));
+    _mm512_storeu_ps(w + 16 * j, weight);
+    mass = _mm512_add_ps(mass, weight);
+  }
+  const __m512 l = _mm512_maskz_loadu_ps(live, &st.l[v0]);
+  _mm512_mask_storeu_ps(&st.l[v0], live, _mm512_fmadd_ps(l, correction, mass));
+  _mm512_mask_storeu_ps(&st.m[v0], live, m_new);
+  alignas(64) float corr[16];
+  _mm512_store_ps(corr, correction);
+  // Four vectors' accumulators at a time at head_dim 64 (16 registers), two at 128.
+  constexpr int kT = kDim == 64 ? 4 : 2;
+  int t = 0;
+  for (; t + kT <= lanes; t += kT)
+    lane_values<kDim, kT>(&st.acc[(v0 + t) * kDim], w, corr, t, vblock, vp, n);
+  for (; t < lanes; ++t) lane_values<kDim, 1>(&st.acc[(v0 + t) * kDim], w, corr, t, vblock, vp, n);
+}
+#endif
+
 // The vectorised block where it applies, else the portable one.
 template <int kDim, typename scalar_t>
 inline void attend_keys(State& st, int64_t v0, int64_t v1, const scalar_t* kblock,
@@ -501,12 +644,24 @@ inline void attend_keys(State& st, int64_t v0, int64_t v1, const scalar_t* kbloc
   attend_block<kDim>(st, v0, v1, kblock, vblock, kp, vp, first, n, dim, value_dim, masked);
 }
 
+// Whether a group's shared blocks take the lanes path: a prefix, enough vectors to fill half a
+// chunk, and head dims the vectorised paths unroll.
+template <int kDim, typename scalar_t>
+inline bool use_lanes(bool enabled, int64_t shared_blocks, int64_t num_vec) {
+#ifdef ROLLOUT_CPU_VEC16
+  if constexpr (kDim > 0 && kDim % 64 == 0 && !std::is_same_v<scalar_t, double>) {
+    return enabled && shared_blocks > 0 && num_vec >= kMinLanes;
+  }
+#endif
+  return false;
+}
+
 template <int kDim, typename scalar_t>
 void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens,
             const at::Tensor& query_start_loc, const at::Tensor& members,
             const at::Tensor& group_starts, const at::Tensor& group_shared, double scale,
-            int64_t window, double softcap, const float* sinks, at::Tensor& out) {
+            int64_t window, double softcap, const float* sinks, bool lanes_on, at::Tensor& out) {
   const int64_t num_heads = query.size(1), dim = query.size(2), value_dim = value_cache.size(3);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t heads_per_kv = num_heads / num_kv_heads;
@@ -565,6 +720,8 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
         }
       }
       std::fill(st.acc.begin(), st.acc.begin() + num_vec * value_dim, 0.f);
+      const bool lanes = use_lanes<kDim, scalar_t>(lanes_on, gshared[g], num_vec);
+      if (lanes) transpose_queries(st, num_vec, dim);
       // The blocks in the order they are read: the shared prefix for every member's vectors at
       // once (no causal mask), then each member's own blocks (causal). Blocks that end before
       // the first key of every vector reading them (a sliding window) are skipped.
@@ -596,9 +753,26 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
           prefetch_rows(v_ptr + visits[a].block * vb + h * vh, vp, visits[a].rows, value_dim);
         }
         const Visit& v = visits[n];
-        attend_keys<kDim>(st, v.v0, v.v1, k_ptr + v.block * kb + h * kh,
-                          v_ptr + v.block * vb + h * vh, kp, vp, v.first, v.rows, dim, value_dim,
-                          v.masked);
+        const scalar_t* kblock = k_ptr + v.block * kb + h * kh;
+        const scalar_t* vblock = v_ptr + v.block * vb + h * vh;
+        int64_t v0 = v.v0;
+#ifdef ROLLOUT_CPU_VEC16
+        // A shared block: sixteen vectors at a time on the lanes path while a chunk is full
+        // enough and none of its vectors' windows begins inside the block; the rest on tiles.
+        for (; lanes && !v.masked && v0 + kMinLanes <= v.v1; v0 += 16) {
+          const int64_t chunk = std::min<int64_t>(16, v.v1 - v0);
+          bool whole = true;
+          for (int64_t i = v0; i < v0 + chunk; ++i) whole = whole && st.first_key[i] <= v.first;
+          if (!whole) break;
+          if constexpr (kDim > 0 && kDim % 64 == 0 && !std::is_same_v<scalar_t, double>)
+            attend_lanes16<kDim>(st, v0, chunk, kblock, vblock, kp, vp, v.rows);
+        }
+        v0 = std::min(v0, v.v1);
+#endif
+        if (v0 < v.v1) {
+          attend_keys<kDim>(st, v0, v.v1, kblock, vblock, kp, vp, v.first, v.rows, dim, value_dim,
+                            v.masked);
+        }
       }
       for (int64_t k = 0; k < num_members; ++k) {
         const int64_t r = mine[k];
@@ -703,12 +877,13 @@ void paged_attention_short(const at::Tensor& query, const at::Tensor& key_cache,
   // The unrolled paths want keys and values of one width; any other pair runs the portable one.
   const int64_t dim = query.size(2);
   const int64_t unrolled = dim == value_cache.size(3) ? dim : 0;
+  const bool lanes_on = lanes_enabled();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_short", [&] {
     const auto run = [&](auto kdim) {
       attend<decltype(kdim)::value, scalar_t>(query, key_cache, value_cache, block_tables,
                                               seq_lens, query_start_loc, members, group_starts,
                                               group_shared, scale, sliding_window, softcap,
-                                              sink_ptr, out);
+                                              sink_ptr, lanes_on, out);
     };
     switch (unrolled) {
       case 64:

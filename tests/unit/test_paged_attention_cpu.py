@@ -242,6 +242,65 @@ def test_kernel_on_sibling_samples(head_dim, block_size, peaked):
     assert (group_shared > 0).sum() == 3, "each prompt's samples should form a group"
 
 
+def wide_groups(samples: tuple[int, ...], block_size: int, num_blocks: int = 400):
+    """One prompt per entry of `samples`, with that many samples sharing its blocks (two of
+    them verifying three draft tokens), each sample's own blocks after them."""
+    rng = random.Random(sum(samples))
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    query_lens, seq_lens, tables = [], [], []
+    for n in samples:
+        prompt_len = rng.randint(2 * block_size, 5 * block_size)
+        prefix = [free.pop() for _ in range(prompt_len // block_size)]
+        for k in range(n):
+            seq_len = prompt_len + rng.randint(3, 2 * block_size)
+            tables.append(prefix + [free.pop() for _ in range(-(-seq_len // block_size)
+                                                                 - len(prefix))])
+            seq_lens.append(seq_len)
+            query_lens.append(3 if k in (1, 4) else 1)
+    return AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("options", [{}, {"softcap": 2.0, "sinks": True},
+                                     {"sliding_window": 70}], ids=["plain", "softcap_sinks",
+                                                                   "window"])
+def test_kernel_lanes_path_on_wide_groups(options, head_dim, dtype, monkeypatch):
+    """Groups of 12, 9 and 4 samples over 2 query heads per KV head (vectors 16 + 12 lanes
+    (two members verify 3 tokens); 16 + 6; 12): the shared blocks go sixteen vectors to a chunk
+    on the lanes path where a chunk holds 8 or more, the rest on the tiles; a window that begins
+    inside a shared block sends that chunk to the tiles. Lanes on and off agree with the oracle,
+    and differ from each other in the last bits (the lanes path did run)."""
+    require_kernel()
+    options = dict(options)
+    metadata = wide_groups((12, 9, 4), block_size=16)
+    gen = torch.Generator().manual_seed(head_dim)
+    key_cache, value_cache = torch.randn(2, 400, 16, 2, head_dim, generator=gen).unbind(0)
+    query = torch.randn(sum(metadata.query_lens_cpu), 4, head_dim, generator=gen)
+    sinks = torch.randn(4, generator=gen) * 2 if options.pop("sinks", False) else None
+    case = AttentionCase(query, key_cache, value_cache, metadata, head_dim**-0.5, sinks=sinks,
+                         **options).cast(dtype)
+    lanes = attend_cpu(case, True)
+    monkeypatch.setenv("ROLLOUT_ENGINE_CPU_ATTN_LANES", "0")
+    tiles = attend_cpu(case, True)
+    assert_matches_naive(lanes, case, atol=2e-5 if dtype == torch.float32 else None)
+    assert_matches_naive(tiles, case, atol=2e-5 if dtype == torch.float32 else None)
+    _, _, group_shared = metadata.cache["cpu_plan", case.sliding_window]["kernel"]
+    assert (group_shared > 0).sum() == 3, "each prompt's samples should form a group"
+    if dtype == torch.float32 and cpu_has_avx512():
+        assert not torch.equal(lanes, tiles), "the shared blocks should have taken the lanes"
+
+
+def cpu_has_avx512() -> bool:
+    """Whether the kernel was compiled with sixteen-lane vectors (-march=native)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return " avx512f " in flags
+
+
 @pytest.mark.parametrize("window", [None, 7, 40])
 @pytest.mark.parametrize("block_size", [32, 48])
 def test_kernel_with_blocks_wider_than_a_vector(block_size, window):
