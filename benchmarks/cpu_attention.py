@@ -18,11 +18,17 @@ own tokens once per sample, keys and values.
     python -m benchmarks.cpu_attention                      # contexts 256, 1024, 4096
     python -m benchmarks.cpu_attention --contexts 1024 --threads 2 --seconds 5
     python -m benchmarks.cpu_attention --softcap 50 --sinks  # a Gemma 2 / gpt-oss layer
+    python -m benchmarks.cpu_attention --contexts 192 256 --compare-lanes 12  # lanes vs tiles
+
+`--compare-lanes R` times the kernel with a group's shared prompt blocks on its tiles (the
+query heads of one token at a time) against its lanes path (sixteen samples' vectors at a
+time), alternating R rounds in one process.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -34,6 +40,7 @@ from kernels.dispatch import paged_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 4, 64
 NUM_PROMPTS, SAMPLES = 8, 8
+LANES_ENV = "ROLLOUT_ENGINE_CPU_ATTN_LANES"  # 0: a group's shared blocks on the tiles
 # Enough layers that one call's KV is out of L3 before the next call on that layer.
 MIN_CACHE_BYTES, MAX_LAYERS = 256 << 20, 8
 
@@ -52,6 +59,9 @@ def parse_args() -> argparse.Namespace:
                         help="logit softcap c: scores become c * tanh(s / c) (Gemma 2: 50)")
     parser.add_argument("--sinks", action="store_true",
                         help="one sink logit per query head (gpt-oss)")
+    parser.add_argument("--compare-lanes", type=int, default=0, metavar="ROUNDS",
+                        help="time the shared blocks on the tiles against the lanes path, "
+                             "alternating ROUNDS rounds in this process")
     return parser.parse_args()
 
 
@@ -93,27 +103,63 @@ def make_caches(num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.T
     return layout.logical_view(storage)
 
 
+class Step:
+    """One decode step's attention over several layers' caches, its plan built once."""
+
+    def __init__(self, context: int, seed: int, softcap: float | None, sinks: bool,
+                 block_size: int, dtype: torch.dtype):
+        self.metadata, num_blocks, self.kv_bytes = make_step(context, seed, block_size,
+                                                             dtype.itemsize)
+        self.caches = make_caches(num_blocks, block_size, dtype)
+        self.query = torch.randn(self.metadata.num_reqs, NUM_HEADS, HEAD_DIM, dtype=dtype)
+        self.options = {"softcap": softcap, "sinks": torch.randn(NUM_HEADS) if sinks else None}
+        self.layer = 0
+        start = time.perf_counter()
+        self.call()  # builds the plan
+        self.plan_ms = (time.perf_counter() - start) * 1e3
+
+    def call(self) -> float:
+        """One call on the next layer's caches (so the KV comes from memory): its seconds."""
+        self.layer = (self.layer + 1) % self.caches.shape[0]
+        start = time.perf_counter()
+        paged_attention(self.query, self.caches[self.layer, 0], self.caches[self.layer, 1],
+                        self.metadata, HEAD_DIM**-0.5, **self.options)
+        return time.perf_counter() - start
+
+
 def run(context: int, seconds: float, seed: int, softcap: float | None = None,
         sinks: bool = False, block_size: int = 16, dtype: torch.dtype = torch.float32) -> dict:
-    metadata, num_blocks, kv_bytes = make_step(context, seed, block_size, dtype.itemsize)
-    caches = make_caches(num_blocks, block_size, dtype)
-    query = torch.randn(metadata.num_reqs, NUM_HEADS, HEAD_DIM, dtype=dtype)
-    scale = HEAD_DIM**-0.5
-    options = {"softcap": softcap, "sinks": torch.randn(NUM_HEADS) if sinks else None}
-    start = time.perf_counter()
-    paged_attention(query, caches[0, 0], caches[0, 1], metadata, scale, **options)  # the plan
-    plan_ms = (time.perf_counter() - start) * 1e3
+    step = Step(context, seed, softcap, sinks, block_size, dtype)
     times = []
     deadline = time.perf_counter() + seconds
-    layer = 0
     while time.perf_counter() < deadline or len(times) < 10:
-        layer = (layer + 1) % caches.shape[0]
-        start = time.perf_counter()
-        paged_attention(query, caches[layer, 0], caches[layer, 1], metadata, scale, **options)
-        times.append(time.perf_counter() - start)
+        times.append(step.call())
     ms = statistics.median(times) * 1e3
-    return {"context": context, "ms": ms, "gbps": kv_bytes / ms / 1e6, "mb": kv_bytes / 1e6,
-            "plan_ms": plan_ms, "calls": len(times), "layers": caches.shape[0]}
+    return {"context": context, "ms": ms, "gbps": step.kv_bytes / ms / 1e6,
+            "mb": step.kv_bytes / 1e6, "plan_ms": step.plan_ms, "calls": len(times),
+            "layers": step.caches.shape[0]}
+
+
+def compare_lanes(context: int, rounds: int, seed: int, softcap: float | None = None,
+                  sinks: bool = False, block_size: int = 16,
+                  dtype: torch.dtype = torch.float32) -> dict:
+    """The kernel with its shared blocks on the tiles (ROLLOUT_ENGINE_CPU_ATTN_LANES=0) and on
+    the lanes, alternating rounds of 15 calls in one process: each one's median round (ms)."""
+    step = Step(context, seed, softcap, sinks, block_size, dtype)
+    rounds_ms: dict[str, list[float]] = {"0": [], "1": []}
+    saved = os.environ.get(LANES_ENV)
+    try:
+        for r in range(rounds):
+            for switch in ("0", "1") if r % 2 == 0 else ("1", "0"):
+                os.environ[LANES_ENV] = switch
+                rounds_ms[switch].append(statistics.median(step.call() for _ in range(15)) * 1e3)
+    finally:
+        if saved is None:
+            os.environ.pop(LANES_ENV, None)
+        else:
+            os.environ[LANES_ENV] = saved
+    return {"context": context, "tiles": statistics.median(rounds_ms["0"]),
+            "lanes": statistics.median(rounds_ms["1"])}
 
 
 def main() -> None:
@@ -125,9 +171,18 @@ def main() -> None:
                         ", sinks" if args.sinks else ""])
     print(f"{NUM_PROMPTS} prompts x {SAMPLES} samples, {NUM_HEADS} heads / {NUM_KV_HEADS} KV heads,"
           f" head_dim {HEAD_DIM}, {args.dtype}, {args.threads} threads{features}")
+    dtype = getattr(torch, args.dtype)
+    if args.compare_lanes:
+        print(f"{'block':>6} {'context':>8} {'tiles ms':>9} {'lanes ms':>9} {'lanes / tiles':>14}")
+        for block_size in args.block_size:
+            for context in args.contexts:
+                r = compare_lanes(context, args.compare_lanes, args.seed, args.softcap,
+                                  args.sinks, block_size, dtype)
+                print(f"{block_size:>6} {context:>8} {r['tiles']:>9.3f} {r['lanes']:>9.3f}"
+                      f" {r['lanes'] / r['tiles']:>13.2f}x")
+        return
     print(f"{'block':>6} {'context':>8} {'ms/call':>9} {'GB/s':>7} {'KV MB':>8} {'first ms':>9}"
           f" {'calls':>6}")
-    dtype = getattr(torch, args.dtype)
     for block_size in args.block_size:
         for context in args.contexts:
             r = run(context, args.seconds, args.seed, args.softcap, args.sinks, block_size, dtype)
