@@ -757,9 +757,10 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
         const scalar_t* vblock = v_ptr + v.block * vb + h * vh;
         int64_t v0 = v.v0;
 #ifdef ROLLOUT_CPU_VEC16
-        // A shared block: sixteen vectors at a time on the lanes path while a chunk is full
-        // enough and none of its vectors' windows begins inside the block; the rest on tiles.
-        for (; lanes && !v.masked && v0 + kMinLanes <= v.v1; v0 += 16) {
+        // A shared block (read by vectors 0.., so chunk k of st.qt is vectors 16k..): sixteen
+        // vectors at a time on the lanes path while a chunk is full enough and none of its
+        // vectors' windows begins inside the block; the rest on the tiles.
+        for (; lanes && !v.masked && v0 % 16 == 0 && v0 + kMinLanes <= v.v1; v0 += 16) {
           const int64_t chunk = std::min<int64_t>(16, v.v1 - v0);
           bool whole = true;
           for (int64_t i = v0; i < v0 + chunk; ++i) whole = whole && st.first_key[i] <= v.first;
