@@ -32,6 +32,7 @@ import os
 import random
 import statistics
 import time
+from unittest import mock
 
 import torch
 
@@ -147,17 +148,11 @@ def compare_lanes(context: int, rounds: int, seed: int, softcap: float | None = 
     the lanes, alternating rounds of 15 calls in one process: each one's median round (ms)."""
     step = Step(context, seed, softcap, sinks, block_size, dtype)
     rounds_ms: dict[str, list[float]] = {"0": [], "1": []}
-    saved = os.environ.get(LANES_ENV)
-    try:
+    with mock.patch.dict(os.environ):  # the switch as it was afterwards
         for r in range(rounds):
             for switch in ("0", "1") if r % 2 == 0 else ("1", "0"):
                 os.environ[LANES_ENV] = switch
                 rounds_ms[switch].append(statistics.median(step.call() for _ in range(15)) * 1e3)
-    finally:
-        if saved is None:
-            os.environ.pop(LANES_ENV, None)
-        else:
-            os.environ[LANES_ENV] = saved
     return {"context": context, "tiles": statistics.median(rounds_ms["0"]),
             "lanes": statistics.median(rounds_ms["1"])}
 

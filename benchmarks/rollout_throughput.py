@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -94,16 +95,10 @@ def run_engine(
     torch_attention: bool = False,
 ) -> tuple[float, int]:
     """One fresh engine (nothing cached from an earlier run) generating the whole workload."""
-    switch = os.environ.get("ROLLOUT_ENGINE_CPU_KERNEL")
-    if torch_attention:  # the CPU attention without the compiled kernel
-        os.environ["ROLLOUT_ENGINE_CPU_KERNEL"] = "0"
-    try:
+    with mock.patch.dict(os.environ):  # the switch as it was afterwards
+        if torch_attention:  # the CPU attention without the compiled kernel
+            os.environ["ROLLOUT_ENGINE_CPU_KERNEL"] = "0"
         return _run_engine(model_dir, prompts, args, cuda_graphs, async_scheduling)
-    finally:
-        if switch is None:
-            os.environ.pop("ROLLOUT_ENGINE_CPU_KERNEL", None)
-        else:
-            os.environ["ROLLOUT_ENGINE_CPU_KERNEL"] = switch
 
 
 def _engine(model_dir: str, args, max_num_seqs: int, **options) -> LLM:

@@ -100,6 +100,11 @@ inline void prefetch_rows(const scalar_t* p, int64_t stride, int64_t rows, int64
 // for all of them (the vectorised path; the portable one takes one vector at a time).
 constexpr int kMaxTile = 2;
 
+// Whether the unrolled vector paths take these keys and values: both kDim wide, kDim a multiple
+// of 64 (the accumulators go eight registers at a time), and not float64.
+template <int kDim, typename scalar_t>
+constexpr bool kUnrolled = kDim > 0 && kDim % 64 == 0 && !std::is_same_v<scalar_t, double>;
+
 // Running softmax state of the query vectors of one work item.
 struct State {
   std::vector<float> q, acc, m, l;  // q: head_dim per vector, acc: value_head_dim
@@ -519,7 +524,7 @@ inline void transpose_queries(State& st, int64_t num_vec, int64_t dim) {
 // Scores of kRows keys (rows of `keys`, float32, `stride` apart) for the sixteen lanes of the
 // chunk `qt` ([kDim][16]), into rows of `out` (sixteen floats each).
 template <int kDim, int kRows>
-inline void lane_scores(const float* qt, const float* keys, int64_t stride, float* out) {
+inline void score_lanes(const float* qt, const float* keys, int64_t stride, float* out) {
   __m512 s[kRows];
   for (int r = 0; r < kRows; ++r) s[r] = _mm512_setzero_ps();
   for (int d0 = 0; d0 < kDim; d0 += 8) {
@@ -582,10 +587,10 @@ inline void attend_lanes16(State& st, int64_t v0, int64_t lanes, const scalar_t*
   float* __restrict__ w = st.lane_scores.data();  // row j: key j's scores, then weights
   int64_t j = 0;
   for (; j + 16 <= n; j += 16)
-    lane_scores<kDim, 16>(qt, keys + j * key_stride, key_stride, w + 16 * j);
+    score_lanes<kDim, 16>(qt, keys + j * key_stride, key_stride, w + 16 * j);
   for (; j + 4 <= n; j += 4)
-    lane_scores<kDim, 4>(qt, keys + j * key_stride, key_stride, w + 16 * j);
-  for (; j < n; ++j) lane_scores<kDim, 1>(qt, keys + j * key_stride, key_stride, w + 16 * j);
+    score_lanes<kDim, 4>(qt, keys + j * key_stride, key_stride, w + 16 * j);
+  for (; j < n; ++j) score_lanes<kDim, 1>(qt, keys + j * key_stride, key_stride, w + 16 * j);
   if (st.softcap > 0.f) {
     const __m512 cap = _mm512_set1_ps(st.softcap), inv = _mm512_set1_ps(1.f / st.softcap);
     for (j = 0; j < n; ++j) {
@@ -626,7 +631,7 @@ inline void attend_keys(State& st, int64_t v0, int64_t v1, const scalar_t* kbloc
                         const scalar_t* vblock, int64_t kp, int64_t vp, int64_t first, int64_t n,
                         int64_t dim, int64_t value_dim, bool masked) {
 #ifdef ROLLOUT_CPU_VEC16
-  if constexpr (kDim > 0 && kDim % 64 == 0 && !std::is_same_v<scalar_t, double>) {
+  if constexpr (kUnrolled<kDim, scalar_t>) {
     int64_t i = v0;
     for (; i + kMaxTile <= v1; i += kMaxTile) {
       attend_tile16<kDim, kMaxTile>(st, i, kblock, vblock, kp, vp, first, n, masked);
@@ -636,7 +641,7 @@ inline void attend_keys(State& st, int64_t v0, int64_t v1, const scalar_t* kbloc
   }
 #endif
 #ifdef ROLLOUT_CPU_VEC
-  if constexpr (kDim > 0 && kDim % 64 == 0 && !std::is_same_v<scalar_t, double>) {
+  if constexpr (kUnrolled<kDim, scalar_t>) {
     attend_block_vec<kDim>(st, v0, v1, kblock, vblock, kp, vp, first, n, masked);
     return;
   }
@@ -649,7 +654,7 @@ inline void attend_keys(State& st, int64_t v0, int64_t v1, const scalar_t* kbloc
 template <int kDim, typename scalar_t>
 inline bool use_lanes(bool enabled, int64_t shared_blocks, int64_t num_vec) {
 #ifdef ROLLOUT_CPU_VEC16
-  if constexpr (kDim > 0 && kDim % 64 == 0 && !std::is_same_v<scalar_t, double>) {
+  if constexpr (kUnrolled<kDim, scalar_t>) {
     return enabled && shared_blocks > 0 && num_vec >= kMinLanes;
   }
 #endif
@@ -765,7 +770,7 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
           bool whole = true;
           for (int64_t i = v0; i < v0 + chunk; ++i) whole = whole && st.first_key[i] <= v.first;
           if (!whole) break;
-          if constexpr (kDim > 0 && kDim % 64 == 0 && !std::is_same_v<scalar_t, double>)
+          if constexpr (kUnrolled<kDim, scalar_t>)
             attend_lanes16<kDim>(st, v0, chunk, kblock, vblock, kp, vp, v.rows);
         }
         v0 = std::min(v0, v.v1);
