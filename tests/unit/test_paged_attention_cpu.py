@@ -267,14 +267,14 @@ def wide_groups(samples: tuple[int, ...], block_size: int, num_blocks: int = 400
                                      {"sliding_window": 70}], ids=["plain", "softcap_sinks",
                                                                    "window"])
 def test_kernel_lanes_path_on_wide_groups(options, head_dim, dtype, monkeypatch):
-    """Groups of 12, 9 and 4 samples over 2 query heads per KV head (vectors 16 + 12 lanes
-    (two members verify 3 tokens); 16 + 6; 12): the shared blocks go sixteen vectors to a chunk
-    on the lanes path where a chunk holds 8 or more, the rest on the tiles; a window that begins
-    inside a shared block sends that chunk to the tiles. Lanes on and off agree with the oracle,
+    """Groups of 13, 9 and 4 samples over 2 query heads per KV head, members 1 and 4 verifying
+    3 tokens (vectors 16 + 16 + 2, 16 + 10, 12): the shared blocks go sixteen vectors to a
+    chunk on the lanes path where a chunk holds 8 or more, the rest (2) on the tiles; a
+    window that begins inside a shared block sends that chunk to the tiles. Lanes on and off agree with the oracle,
     and differ from each other in the last bits (the lanes path did run)."""
     require_kernel()
     options = dict(options)
-    metadata = wide_groups((12, 9, 4), block_size=16)
+    metadata = wide_groups((13, 9, 4), block_size=16)
     gen = torch.Generator().manual_seed(head_dim)
     key_cache, value_cache = torch.randn(2, 400, 16, 2, head_dim, generator=gen).unbind(0)
     query = torch.randn(sum(metadata.query_lens_cpu), 4, head_dim, generator=gen)
