@@ -11,8 +11,9 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -22,6 +23,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO_ROOT / ".peers" / "vllm" / "bin" / "python"
 # Run by VLLM_PYTHON as a plain script: it imports vLLM only, never this package.
 _VLLM_SCRIPT = Path(__file__).resolve().parent / "peers" / "vllm_generate.py"
+
+R = TypeVar("R")
 
 
 def add_model_args(parser: argparse.ArgumentParser, arch: str = "qwen2") -> None:
@@ -193,3 +196,26 @@ class VllmServer:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
+
+
+def run_rounds(systems: dict[str, Callable[[], R]], repeats: int,
+               elapsed_of: Callable[[R], float], label: str = "") -> dict[str, R]:
+    """Every system once per round, rounds in turn; each system's best round (least
+    `elapsed_of`) is kept. A system that raises is reported and left out of that round.
+
+    A shared machine's speed drifts by 20% over minutes: alternating and keeping the best
+    compares the systems at the machine's speed, not at whatever load each met.
+    """
+    results: dict[str, R] = {}
+    for round_index in range(repeats):
+        for name, run in systems.items():
+            try:
+                result = run()
+            except Exception as exc:  # noqa: BLE001 - report, do not hide: the table says it failed
+                print(f"{name}{label} failed: {type(exc).__name__}: {exc}")
+                continue
+            elapsed = elapsed_of(result)
+            print(f"round {round_index + 1}/{repeats}: {name}{label}: {elapsed:.1f} s", flush=True)
+            if name not in results or elapsed < elapsed_of(results[name]):
+                results[name] = result
+    return results

@@ -9,10 +9,13 @@ to each system's own at the shortest length.
 
     python -m benchmarks.long_generation                       # 8 prompts x n=8, small preset
     python -m benchmarks.long_generation --lengths 256 1024    # a quicker look
+    python -m benchmarks.long_generation --repeats 3           # best of 3 alternating rounds
 
 EOS is ignored everywhere, so every system generates the same number of tokens; vLLM runs
 unseeded (a per-request seed crashes its CPU build). HF `generate` runs up to
-`--hf-max-length` new tokens (it is the slowest by far at long lengths).
+`--hf-max-length` new tokens (it is the slowest by far at long lengths). `--repeats R` runs
+every system R times per length, rounds in turn, and keeps each one's best run: on a machine
+whose speed drifts (a neighbour's load), one run each can put either system 10-15% ahead.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from benchmarks.common import (
     kv_cache_bytes_for,
     left_padded,
     make_prompts,
+    run_rounds,
     run_vllm,
     vllm_available,
     vllm_missing_note,
@@ -70,6 +74,8 @@ def parse_args() -> argparse.Namespace:
                         help="our engine's KV block size (default: the engine's)")
     parser.add_argument("--hf-max-length", type=int, default=1024,
                         help="run HF generate only up to this many new tokens")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of every system per length, alternating; the best is kept")
     return parser.parse_args()
 
 
@@ -163,16 +169,12 @@ def main() -> None:
             systems["HF generate (padded)"] = run_hf_generate
         results: dict[tuple[str, int], Run] = {}
         for length in args.lengths:
-            for name, run in systems.items():
-                if name.startswith("HF") and length > args.hf_max_length:
-                    continue
-                try:
-                    results[name, length] = run(model_dir, prompts, args, length)
-                except Exception as exc:  # noqa: BLE001 - the table says it failed
-                    print(f"{name} at {length} failed: {type(exc).__name__}: {exc}")
-                    continue
-                print(f"{name}, {length} new tokens: {results[name, length].elapsed_s:.1f} s",
-                      flush=True)
+            runs = {name: functools.partial(run, model_dir, prompts, args, length)
+                    for name, run in systems.items()
+                    if not (name.startswith("HF") and length > args.hf_max_length)}
+            best = run_rounds(runs, args.repeats, elapsed_of=lambda run: run.elapsed_s,
+                              label=f", {length} new tokens")
+            results.update({(name, length): run for name, run in best.items()})
     print_tables(results, args.lengths)
 
 

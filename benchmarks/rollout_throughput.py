@@ -50,6 +50,7 @@ from benchmarks.common import (
     add_vllm_modes_arg,
     left_padded,
     make_prompts,
+    run_rounds,
     run_vllm,
     vllm_available,
     vllm_missing_note,
@@ -257,7 +258,7 @@ def main() -> None:
             systems["compute floor (dense forward only)"] = lambda: run_compute_floor(
                 model_dir, prompts, args
             )
-        results = run_rounds(systems, args.repeats)
+        results = run_rounds(systems, args.repeats, elapsed_of=lambda result: result[0])
         print_table(results)
         if args.greedy_check and vllm_available() and args.device == "cpu":
             print_greedy_agreement(model_dir, prompts, args)
@@ -277,26 +278,6 @@ def print_greedy_agreement(model_dir: str, prompts, args) -> None:
     print(f"\ngreedy ({args.dtype}, {args.max_tokens} new tokens): {len(prompts) - len(parted)} "
           f"of {len(prompts)} sequences identical to vLLM's"
           + (f"; the others part at tokens {sorted(parted)}" if parted else ""))
-
-
-def run_rounds(systems: dict, repeats: int) -> dict[str, tuple[float, int]]:
-    """Every system once per round, rounds in turn; each system's best round is kept.
-
-    A shared machine's speed drifts by 20% over minutes: alternating and keeping the best
-    compares the systems at the machine's speed, not at whatever load each met.
-    """
-    results: dict[str, tuple[float, int]] = {}
-    for round_index in range(repeats):
-        for name, run in systems.items():
-            try:
-                elapsed, tokens = run()
-            except Exception as exc:  # noqa: BLE001 - report, do not hide: the table says it failed
-                print(f"{name} failed: {type(exc).__name__}: {exc}")
-                continue
-            print(f"round {round_index + 1}/{repeats}: {name}: {elapsed:.1f} s", flush=True)
-            if name not in results or elapsed < results[name][0]:
-                results[name] = (elapsed, tokens)
-    return results
 
 
 def print_table(results: dict[str, tuple[float, int]]) -> None:
