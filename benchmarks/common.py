@@ -134,10 +134,16 @@ def run_vllm(
            "kv_cache_gib": kv_cache_gib, "dtype": dtype, "enforce_eager": enforce_eager,
            "greedy": greedy, "lora_paths": lora_paths or [], "max_lora_rank": max_lora_rank,
            "moe_lora_3d": moe_lora_3d}
+    return run_vllm_script(_VLLM_SCRIPT, job, timeout_s)
+
+
+def run_vllm_script(script: Path, job: dict, timeout_s: float = 3600.0) -> dict:
+    """The JSON answer (its stdout's last line) of a script of `benchmarks/peers` run by vLLM's
+    venv on `job` (given as a JSON file); RuntimeError with its stderr's tail if it fails."""
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(job, f)
         f.flush()
-        result = subprocess.run([str(VLLM_PYTHON), str(_VLLM_SCRIPT), f.name],
+        result = subprocess.run([str(VLLM_PYTHON), str(script), f.name],
                                 capture_output=True, text=True, timeout=timeout_s, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"vLLM failed ({result.returncode}):\n{result.stderr[-4000:]}")
