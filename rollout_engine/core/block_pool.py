@@ -70,13 +70,13 @@ class BlockPool:
         pool allows. The CPU attention reads a request's blocks fastest when they are
         consecutive ids (heads-major storage makes them one run of memory per KV head: a decode
         step's attention over 8 x 8 sequences at a 4,096-token context, 23 ms against 33 ms for
-        scattered 16-token blocks, `benchmarks.cpu_attention`), but requests that grow in step
-        would take turns with the ids. So each block is the id after the previous one when that
-        id is free and holds no cached prefix; otherwise the queue's head, and up to
-        RUN_BLOCKS - 1 ids after it that are free and uncached move to the queue's tail, left
-        for this request's next blocks unless the pool needs them first. Uncached free blocks
-        hold nothing worth keeping, but moving them back means a cached block ahead of them is
-        reused sooner under memory pressure.
+        scattered 16-token blocks, `benchmarks.cpu_attention --placement engine scattered`),
+        but requests that grow in step would take turns with the ids. So each block is the id
+        after the previous one when that id is free and holds no cached prefix; otherwise the
+        queue's head, and up to RUN_BLOCKS - 1 ids after it that are free and uncached move to
+        the queue's tail, left for this request's next blocks unless the pool needs them first.
+        Uncached free blocks hold nothing worth keeping, but moving them back means a cached
+        block ahead of them is reused sooner under memory pressure.
         """
         assert num_blocks <= len(self._free), f"need {num_blocks}, have {len(self._free)} free"
         allocated = []
