@@ -15,7 +15,7 @@ EOS is ignored everywhere, so every system generates the same number of tokens; 
 unseeded (a per-request seed crashes its CPU build). HF `generate` runs up to
 `--hf-max-length` new tokens (it is the slowest by far at long lengths). `--repeats R` runs
 every system R times per length, rounds in turn, and keeps each one's best run: on a machine
-whose speed drifts (a neighbour's load), one run each can put either system 10-15% ahead.
+whose speed drifts (a neighbour's load), one run each can put either system 10-25% ahead.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def main() -> None:
             runs = {name: functools.partial(run, model_dir, prompts, args, length)
                     for name, run in systems.items()
                     if not (name.startswith("HF") and length > args.hf_max_length)}
-            best = run_rounds(runs, args.repeats, elapsed_of=lambda run: run.elapsed_s,
+            best = run_rounds(runs, args.repeats, elapsed_of=lambda result: result.elapsed_s,
                               label=f", {length} new tokens")
             results.update({(name, length): run for name, run in best.items()})
     print_tables(results, args.lengths)
