@@ -88,12 +88,20 @@ def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], num_tokens: int)
     model.eval()
     config = GenerationConfig(max_new_tokens=num_tokens, do_sample=False, eos_token_id=None,
                               pad_token_id=0)
+    # generate fills a passed config's unset fields (eos_token_id=None among them) from the
+    # model's own: only None there lets a greedy EOS go on, as the engine's ignore_eos does.
+    model_eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
     results = []
-    for prompt in prompts:
-        input_ids = torch.tensor([prompt])
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                             generation_config=config)
-        results.append(out[0, len(prompt):].tolist())
+    try:
+        for prompt in prompts:
+            input_ids = torch.tensor([prompt])
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                 generation_config=config)
+            tokens = out[0, len(prompt):].tolist()
+            assert len(tokens) == num_tokens, f"HF stopped early: {tokens}"
+            results.append(tokens)
+    finally:
+        model.generation_config.eos_token_id = model_eos
     return results
 
 
