@@ -167,18 +167,16 @@ class Step:
         return time.perf_counter() - start
 
 
-def run(context: int, seconds: float, seed: int, softcap: float | None = None,
-        sinks: bool = False, block_size: int = 16, dtype: torch.dtype = torch.float32,
-        placement: str = "engine") -> dict:
-    step = Step(context, seed, softcap, sinks, block_size, dtype, placement)
+def run(step: Step, seconds: float) -> dict:
+    """Calls of `step` for `seconds` (at least 10): the median and what it reads."""
     times = []
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or len(times) < 10:
         times.append(step.call())
     ms = statistics.median(times) * 1e3
-    return {"context": context, "ms": ms, "gbps": step.kv_bytes / ms / 1e6,
+    return {"context": step.context, "ms": ms, "gbps": step.kv_bytes / ms / 1e6,
             "mb": step.kv_bytes / 1e6, "plan_ms": step.plan_ms, "calls": len(times),
-            "layers": step.caches.shape[0], "step": step}
+            "layers": step.caches.shape[0]}
 
 
 def run_vllm_kernel(step: Step, seconds: float, threads: int) -> dict:
@@ -238,15 +236,16 @@ def main() -> None:
     print(f"{'placement':>10} {'block':>6} {'context':>8} {'ms/call':>9} {'GB/s':>7} {'KV MB':>8}"
           f" {'first ms':>9} {'calls':>6}{vllm_header}")
     for placement, block_size, context in runs:
-        r = run(context, args.seconds, args.seed, args.softcap, args.sinks, block_size, dtype,
-                placement)
+        step = Step(context, args.seed, args.softcap, args.sinks, block_size, dtype, placement)
+        r = run(step, args.seconds)
         theirs = ""
         if with_vllm:
             try:
-                vllm_ms = run_vllm_kernel(r["step"], args.seconds, args.threads)["ms"]
+                vllm_ms = run_vllm_kernel(step, args.seconds, args.threads)["ms"]
                 theirs = f" {vllm_ms:>8.3f} {vllm_ms / r['ms']:>11.2f}x"
             except RuntimeError as exc:
                 theirs = f" vLLM failed: {str(exc).splitlines()[-1]}"
+        del step  # its caches go before the next step's are made
         print(f"{placement:>10} {block_size:>6} {r['context']:>8} {r['ms']:>9.3f}"
               f" {r['gbps']:>7.1f} {r['mb']:>8.1f} {r['plan_ms']:>9.2f} {r['calls']:>6}{theirs}")
 
