@@ -110,6 +110,13 @@ def peak_bandwidth(num_bytes: int = 512 * 1024**2) -> float:
     return 3 * num_bytes / best_seconds(lambda: torch.add(a, b, alpha=3.0, out=c), repeats=5)
 
 
+def peak_read_bandwidth(num_bytes: int = 512 * 1024**2) -> float:
+    """Bytes/s of a plain sum over a float32 array far larger than the caches: the roof of a
+    kernel that only reads, as decode attention does."""
+    a = torch.rand(num_bytes // 4)
+    return num_bytes / best_seconds(a.sum, repeats=5)
+
+
 # ----------------------------------------------------------------------- what the steps ran
 @dataclass
 class ModelShape:
