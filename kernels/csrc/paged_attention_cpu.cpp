@@ -547,6 +547,17 @@ inline void attend_tile16(State& st, int64_t v0, const Span<scalar_t>& span, int
 }
 #endif
 
+// st.qt from st.q: vectors [0, num_vec) of `dim` scaled float32 queries, sixteen to a chunk
+// (the lanes path's layout; plain code, so every build has it).
+inline void transpose_queries(State& st, int64_t num_vec, int64_t dim) {
+  const int64_t chunks = (num_vec + 15) / 16;
+  st.qt.assign(chunks * dim * 16, 0.f);
+  for (int64_t i = 0; i < num_vec; ++i) {
+    float* dst = &st.qt[(i / 16) * dim * 16 + i % 16];
+    for (int64_t d = 0; d < dim; ++d) dst[d * 16] = st.q[i * dim + d];
+  }
+}
+
 // Off with ROLLOUT_ENGINE_CPU_ATTN_LANES=0 (the tiles then take every block), read at every
 // call: for A/B runs in one process.
 inline bool lanes_enabled() {
@@ -565,15 +576,6 @@ inline bool lanes_enabled() {
 // tiles are cheaper (measured: see `benchmarks/README.md`).
 constexpr int64_t kMinLanes = 8;
 
-// st.qt from st.q: vectors [0, num_vec) of `dim` scaled float32 queries, sixteen to a chunk.
-inline void transpose_queries(State& st, int64_t num_vec, int64_t dim) {
-  const int64_t chunks = (num_vec + 15) / 16;
-  st.qt.assign(chunks * dim * 16, 0.f);
-  for (int64_t i = 0; i < num_vec; ++i) {
-    float* dst = &st.qt[(i / 16) * dim * 16 + i % 16];
-    for (int64_t d = 0; d < dim; ++d) dst[d * 16] = st.q[i * dim + d];
-  }
-}
 
 // Scores of kRows keys (rows of `keys`, float32, `stride` apart) for the sixteen lanes of the
 // chunk `qt` ([kDim][16]), into rows of `out` (sixteen floats each).
