@@ -14,7 +14,9 @@
 // A request that shares nothing is a group of one with `shared` = 0. With AVX-512, a group's
 // shared blocks go sixteen query vectors at a time through the lanes path (`attend_lanes16`:
 // one vector per lane, no horizontal sums), its own blocks through tiles of the query heads of
-// one token (`attend_tile16`: head dims in the lanes).
+// one token (`attend_tile16`: head dims in the lanes), several consecutive blocks per softmax
+// update (a span, `kSpanKeys`). Blocks are asked for ahead only where they start a new stream
+// in memory (`kPrefetchAhead`).
 //
 // A sliding window W > 0 (a per-layer setting) hides the keys more than W - 1 positions before
 // a token's own: each vector's keys are [first_key, last_key], and blocks wholly before every
