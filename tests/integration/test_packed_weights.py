@@ -79,10 +79,20 @@ def test_varying_row_counts_do_not_grow_resident_memory() -> None:
     from memory import process_rss_bytes
 
     packed = pack([torch.randn(256, 64)])
-    for num_rows in (16, 256, 512, 768, 1024):  # the buckets the rows below fall in
+    for num_rows in (16, 256, 320, 384, 448, 512, 640, 768, 896, 1024):  # the rows' buckets
         packed(torch.randn(num_rows, 64))
     before = process_rss_bytes(os.getpid())
     for num_rows in range(200, 1025):  # unpadded: 825 new primitives, some 400 MB
         packed(torch.randn(num_rows, 64))
     assert process_rss_bytes(os.getpid()) - before < 20 * 1024**2
-    assert len({row_bucket(n) for n in range(1, 2049)}) == 16 + 7
+    assert len({row_bucket(n) for n in range(1, 2049)}) == 16 + 12
+
+
+def test_row_buckets_pad_at_most_a_quarter_above_256_rows() -> None:
+    buckets = {n: row_bucket(n) for n in range(1, 8193)}
+    assert all(b >= n and b % 16 == 0 for n, b in buckets.items())
+    assert all(b - n < 16 for n, b in buckets.items() if n <= 256)
+    assert max((b - n) / n for n, b in buckets.items() if n > 256) <= 0.25
+    assert [buckets[n] for n in (256, 257, 320, 321, 512, 513, 1025, 2048)] == [
+        256, 320, 320, 384, 512, 640, 1280, 2048]
+    assert all(row_bucket(b) == b for b in buckets.values())  # a bucket is its own bucket
