@@ -29,11 +29,13 @@ def worker_tokenizer(model_dir):
 
 
 class TappedQueue:
-    """The trainer's rollout queue, keeping a copy of each sample the trainer takes."""
+    """The trainer's rollout queue, keeping a copy of each sample the trainer takes (`samples`)
+    and of each one read off it while the worker stops (`drained`: made, not trained)."""
 
     def __init__(self, queue) -> None:
         self.queue = queue
         self.samples: list = []
+        self.drained: list = []
 
     def get(self, *args, **kwargs):
         sample = self.queue.get(*args, **kwargs)
@@ -54,7 +56,7 @@ class TappedQueue:
             def drain() -> None:
                 while not is_stopped.is_set():
                     with contextlib.suppress(queue.Empty):
-                        self.queue.get(timeout=0.1)
+                        self.drained.append(self.queue.get(timeout=0.1))
 
             drainer = threading.Thread(target=drain, daemon=True)
             drainer.start()
