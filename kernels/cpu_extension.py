@@ -32,6 +32,9 @@ SOURCES = [Path(__file__).parent / "csrc" / name
 HEADERS = [Path(__file__).parent / "csrc" / name
            for name in ("cpu_vec.h", "batch_invariant_vec.h", "batch_invariant_amx.h",
                         "batch_invariant_dpbf16.h", "batch_invariant_gemm.h")]
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+"""The compiler flags of the build (torch's extension builder adds its own, `-std=c++20`
+among them)."""
 _NAME = "rollout_engine_cpu_attention"
 _ENV = "ROLLOUT_ENGINE_CPU_KERNEL"
 _lock = threading.Lock()
@@ -66,7 +69,7 @@ def _load() -> bool:
             # (or a test run beside an edit) would overwrite each other's library.
             name=f"{_NAME}_{_digest()}",
             sources=[str(source) for source in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=list(CFLAGS),
             # at::parallel_for is OpenMP inlined from the headers: link the libgomp torch loaded.
             extra_ldflags=["-fopenmp"],
             is_python_module=False,

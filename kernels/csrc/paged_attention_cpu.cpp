@@ -578,7 +578,6 @@ inline bool lanes_enabled() {
 // tiles are cheaper (measured: see `benchmarks/README.md`).
 constexpr int64_t kMinLanes = 8;
 
-
 // Scores of kRows keys (rows of `keys`, float32, `stride` apart) for the sixteen lanes of the
 // chunk `qt` ([kDim][16]), into rows of `out` (sixteen floats each).
 template <int kDim, int kRows>

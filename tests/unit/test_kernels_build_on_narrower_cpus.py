@@ -19,7 +19,7 @@ import sysconfig
 import pytest
 from torch.utils import cpp_extension
 
-from kernels.cpu_extension import SOURCES
+from kernels.cpu_extension import CFLAGS, SOURCES
 
 NARROWER = {
     "avx2": ["-mno-avx512f"],
@@ -45,10 +45,10 @@ def compiler() -> str:
 @pytest.mark.parametrize(("source", "level"), CASES)
 def test_kernel_source_compiles_without_the_wider_units(source, level):
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    # The flags torch's extension builder passes (`kernels.cpu_extension._load`), then the
-    # narrower level: a later -mno-* switches the unit off whatever -march=native enabled.
-    command = [compiler(), "-fsyntax-only", "-std=c++20", "-O3", "-march=native", "-fopenmp",
-               *NARROWER[level], *(f"-isystem{path}" for path in includes), str(source)]
+    # The flags torch's extension builder passes (its standard, then `cpu_extension.CFLAGS`),
+    # then the narrower level: a later -mno-* switches off a unit that -march=native enabled.
+    command = [compiler(), "-fsyntax-only", "-std=c++20", *CFLAGS, *NARROWER[level],
+               *(f"-isystem{path}" for path in includes), str(source)]
     result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert result.returncode == 0, f"{source.name} does not build at {level}:\n" + "\n".join(
