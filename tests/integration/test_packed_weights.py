@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout_engine import LLM, SamplingParams
-from rollout_engine.worker.models.packed_linear import can_pack, pack, row_bucket
+from rollout_engine.worker.models.packed_linear import can_pack, gemm_dtype, pack, row_bucket
 from tests.integration.hf_oracle import hf_greedy
 from tests.integration.test_weight_update import checkpoint
 
@@ -33,9 +33,59 @@ def test_a_fused_packed_linear_is_the_linears_side_by_side(dtype) -> None:
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         for got, w, b in zip(packed(x), weights, biases, strict=True):
             torch.testing.assert_close(got, F.linear(x, w, b), atol=tol, rtol=tol)
+    element_bytes = torch.finfo(gemm_dtype(dtype)).bits // 8  # float32 copies of bf16: below
     assert packed.num_bytes == sum(w.numel() + b.numel() for w, b in zip(weights, biases)) * (
-        weights[0].element_size()
+        element_bytes
     )
+
+
+def test_bf16_weights_pack_as_float32_where_the_cpu_has_no_bf16_arithmetic(monkeypatch) -> None:
+    """Without AVX-512 BF16 a bfloat16 GEMM is emulated (3-4.5x slower than float32 here): the
+    copies are float32, the outputs bfloat16 and what a bfloat16 GEMM gives (exact products,
+    float32 sums, one rounding), up to the order of the sums."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert gemm_dtype(torch.bfloat16) == torch.float32 and can_pack(torch.device("cpu"),
+                                                                     torch.bfloat16)
+    torch.manual_seed(0)
+    weights = [torch.randn(n, 48, dtype=torch.bfloat16) for n in (64, 16)]
+    biases = [torch.randn(n, dtype=torch.bfloat16) for n in (64, 16)]
+    packed = pack(weights, biases)
+    assert packed.weight.dtype == packed.bias.dtype == torch.float32
+    assert packed.num_bytes == sum(w.numel() + b.numel() for w, b in zip(weights, biases)) * 4
+    for num_rows in (1, 33, 300):
+        x = torch.randn(num_rows, 48, dtype=torch.bfloat16)
+        for got, w, b in zip(packed(x), weights, biases, strict=True):
+            assert got.dtype == torch.bfloat16
+            exact = F.linear(x.double(), w.double(), b.double())  # float64: every sum exact
+            # One rounding to bfloat16 (half an ulp: 2^-9 relative), the float32 sums' order.
+            torch.testing.assert_close(got.double(), exact, atol=1e-4, rtol=2**-8)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert gemm_dtype(torch.bfloat16) == torch.bfloat16  # oneDNN's own bf16 GEMM there
+    assert gemm_dtype(torch.float32) == torch.float32
+
+
+def test_a_bf16_engine_without_bf16_arithmetic_runs_float32_copies(monkeypatch,
+                                                                   llama_dir) -> None:
+    """The engine in bfloat16 on such a CPU: its packed copies are float32 and its greedy tokens
+    and logprobs those of the same engine on `F.linear` in bfloat16."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
+    outputs = {}
+    for packed in (True, False):
+        llm = LLM(str(llama_dir), dtype="bfloat16", kv_cache_bytes=1 << 20,
+                  cpu_packed_weights=packed)
+        outputs[packed] = llm.generate(PROMPTS, params, use_tqdm=False)
+        if packed:
+            model = llm.engine.worker.model_runner.model
+            assert llm.engine.worker.packed_weights.is_packed
+            assert model.packed_logits.weight.dtype == torch.float32
+            assert all(layer.mlp.packed_gate_up.weight.dtype == torch.float32
+                       for layer in model.model.layers)
+        llm.shutdown()
+    for a, b in zip(outputs[True], outputs[False], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        torch.testing.assert_close(torch.tensor(a.outputs[0].logprobs),
+                                   torch.tensor(b.outputs[0].logprobs), atol=2e-2, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -14,7 +14,16 @@ A packed weight is a derived copy, outside the `weights` pool: the parameters st
 checkpoint's tensors, whose addresses, updates and sleep backups the engine manages. So the
 copies are dropped whenever the weights change or leave (a completed weight update, sleep)
 and packed again by the next forward (`PackedWeights.ensure`). They cost as much memory as
-the linear weights while the engine is awake.
+the linear weights while the engine is awake (twice as much for bfloat16 weights packed as
+float32, below).
+
+bfloat16 weights on a CPU without bfloat16 arithmetic (no AVX-512 BF16) are packed as float32
+copies: there oneDNN emulates a bfloat16 GEMM, 3-4.5x slower than float32 at these shapes
+(Intel Xeon, AVX-512 without BF16, 256 rows, 2 threads: 59-66 against 192-282 GFLOP/s), and
+on AVX2 it cannot pack one at all. The inputs are widened to float32 and the outputs rounded
+back to bfloat16: a product of two bfloat16 values is exact in float32, and oneDNN's bfloat16
+GEMM also sums in float32 and rounds once, so the outputs are what its bfloat16 GEMM gives, up
+to the order of the sums (`gemm_dtype`).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_extension
+from rollout_engine.worker.cpu_features import cpu_computes_bf16
 from rollout_engine.worker.models.experts import PackedExperts, can_pack_experts, pack_experts
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -35,12 +45,20 @@ to 2,048 the hint changes no GEMM's speed here)."""
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this build of torch, on this CPU, runs packed linears for weights on `device` of
-    `dtype`. oneDNN's bf16 path needs AVX-512 (bw, vl, dq) or AVX-NE-CONVERT: on a CPU with
-    neither, packing a bf16 weight raises, so bf16 linears stay on `F.linear` there."""
+    `dtype` (in `gemm_dtype(dtype)`)."""
     return (
         device.type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
-        and _cpu_packs(dtype)
+        and _cpu_packs(gemm_dtype(dtype))
     )
+
+
+def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a packed linear of `dtype` weights computes in: float32 for bfloat16 weights
+    on a CPU without bfloat16 arithmetic (see the module doc), else `dtype`. (oneDNN's bf16
+    path, where it is used, runs on AVX-512 BF16 or AMX.)"""
+    if dtype == torch.bfloat16 and not cpu_computes_bf16():
+        return torch.float32
+    return dtype
 
 
 @functools.cache
@@ -73,7 +91,8 @@ class PackedLinear:
     """One or more linears with the same input, as one packed GEMM."""
 
     weight: torch.Tensor
-    """[sum of out features, in features], in oneDNN's layout (opaque)."""
+    """[sum of out features, in features], in oneDNN's layout (opaque), in `gemm_dtype` of the
+    weights' dtype."""
     bias: torch.Tensor | None
     split_sizes: list[int] | None
     """Out features of each fused linear (None: one linear)."""
@@ -88,16 +107,17 @@ class PackedLinear:
         False)."""
         leading = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
-        num_rows = x.shape[0]
+        num_rows, out_dtype = x.shape[0], x.dtype
         if self.invariant:
             out = cpu_extension.batch_invariant_linear_packed(x, self.weight, self.out_features,
                                                              self.bias)
         else:
+            x = x.to(self.weight.dtype)  # bfloat16 inputs of float32 copies: see `gemm_dtype`
             bucket = row_bucket(num_rows)
             if bucket != num_rows:
                 x = torch.cat([x, x.new_zeros(bucket - num_rows, x.shape[1])])
             out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        out = out[:num_rows].reshape(*leading, -1)
+        out = out[:num_rows].to(out_dtype).reshape(*leading, -1)
         return out if self.split_sizes is None or not split else out.split(self.split_sizes, -1)
 
     @property
@@ -119,6 +139,9 @@ def pack(weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None,
     if invariant:
         packed = cpu_extension.batch_invariant_pack(weight)
     else:
+        compute_dtype = gemm_dtype(weight.dtype)
+        weight = weight.to(compute_dtype)
+        bias = None if bias is None else bias.to(compute_dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_SIZE_HINT)
     split_sizes = [w.shape[0] for w in weights] if len(weights) > 1 else None
     return PackedLinear(packed, bias, split_sizes, weight.shape[0], invariant)

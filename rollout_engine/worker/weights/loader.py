@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from rollout_engine.protocol import ModelLoadError
+from rollout_engine.worker.cpu_features import cpu_computes_bf16
 from rollout_engine.worker.models.registry import check_hf_config
 from rollout_engine.worker.weights.checkpoint import iterate_checkpoint_slices
 
@@ -38,8 +39,10 @@ def load_hf_config(model_dir: str, model_impl: str = "auto"):
 def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
     """"auto": on a GPU the checkpoint's dtype; on the CPU bfloat16 for a bfloat16 checkpoint
     where the CPU computes in bfloat16 (vLLM's CPU default), float32 otherwise: without bfloat16
-    arithmetic oneDNN emulates it, hundreds of times slower than float32 (measured on AVX2:
-    0.3 against 180 GFLOP/s, `benchmarks/roofline.py`)."""
+    arithmetic a bfloat16 GEMM is emulated, far slower than float32 (`benchmarks/roofline.py`:
+    0.3 against 180 GFLOP/s on AVX2, 66 against 338 on AVX-512 without BF16). An explicit
+    "bfloat16" on such a CPU runs its packed linears on float32 copies of the weights
+    (`packed_linear.gemm_dtype`): float32's speed, bfloat16's results."""
     if dtype != "auto":
         return _DTYPES[dtype]
     checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -53,12 +56,6 @@ def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
         logger.info("a bfloat16 checkpoint runs in float32: this CPU has no bfloat16 arithmetic "
                     "(AVX-512 BF16)")
     return torch.float32
-
-
-def cpu_computes_bf16() -> bool:
-    """Whether this CPU has bfloat16 arithmetic (AVX-512 BF16; AMX CPUs have it too)."""
-    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    return bool(probe is not None and probe())
 
 
 def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
