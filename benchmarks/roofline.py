@@ -9,6 +9,9 @@ rows), not estimated from the workload:
 - bytes: every weight once per step, plus each sequence's KV (what a kernel must read when no
   prompt is shared; with n samples per prompt our CPU attention reads a shared prefix once, so
   it can beat this count).
+A bfloat16 run is measured against the peak of the dtype its linears compute in: bfloat16's,
+or float32's on a CPU without bfloat16 arithmetic (its packed copies are float32 there), and
+its weight bytes counted likewise.
 The time split wraps the model's linears, its attention, the logits and the sampler with
 timers; "other" is the rest of the forward (norms, rotary, embedding, elementwise), "host" the
 step's wall time outside the forward and sampling (scheduling, inputs, outputs).
@@ -42,7 +45,7 @@ from benchmarks.common import add_model_args, kv_bytes_per_token, kv_cache_bytes
 from rollout_engine import LLM, SamplingParams
 from rollout_engine.tiny_model import build_tiny_model
 from rollout_engine.worker.models import decoder as decoder_module
-from rollout_engine.worker.models.packed_linear import PackedLinear
+from rollout_engine.worker.models.packed_linear import PackedLinear, gemm_dtype
 
 VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile",
                 "avx_vnni")
@@ -147,7 +150,7 @@ class ModelShape:
     def of(cls, llm: LLM, model_dir: str, dtype: torch.dtype) -> ModelShape:
         config = llm.engine.hf_config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        element = torch.finfo(dtype).bits // 8
+        element = torch.finfo(gemm_dtype(dtype)).bits // 8  # float32 copies of bf16 weights
         linear_params = sum(
             p.numel() for name, p in llm.engine.worker.model_runner.model.named_parameters()
             if p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name)
@@ -305,13 +308,16 @@ def main() -> None:
             best = min(runs, key=lambda r: r.elapsed_s)
             best.all_tok_s = [r.num_tokens / r.elapsed_s for r in runs]
             results.append(best)
-    print_tables(results, peaks[args.dtype], bandwidth, args.dtype)
+    # The linears' dtype: bfloat16 weights on a CPU without bfloat16 arithmetic run float32
+    # GEMMs (`packed_linear.gemm_dtype`), so their peak is float32's.
+    peak_dtype = str(gemm_dtype(DTYPES[args.dtype])).removeprefix("torch.")
+    print_tables(results, peaks[peak_dtype], bandwidth, args.dtype, peak_dtype)
 
 
 def print_tables(results: list[WorkloadResult], peak_flops: float, bandwidth: float,
-                 dtype: str) -> None:
+                 dtype: str, peak_dtype: str) -> None:
     print(f"\nAchieved over the whole run, the fastest of each workload's runs ({dtype}; shares "
-          f"of the measured {dtype} GEMM peak and of the triad bandwidth):\n")
+          f"of the measured {peak_dtype} GEMM peak and of the triad bandwidth):\n")
     print("| workload | tok/s | runs' tok/s | steps | GFLOP/s | % peak FLOP/s | GB/s | "
           "% bandwidth | FLOPs: linears / attention / logits |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---|")
