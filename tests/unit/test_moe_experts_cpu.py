@@ -135,3 +135,23 @@ def test_experts_forward_falls_back_where_the_kernel_does_not_serve():
     experts.act_fn = torch.nn.GELU()
     assert not can_pack_experts(experts)
 
+
+
+@pytest.mark.parametrize("bf16_arithmetic", [True, False])
+@torch.inference_mode()
+def test_bf16_rows_past_the_limit_go_to_grouped_mm_only_where_the_cpu_computes_bf16(
+        monkeypatch, bf16_arithmetic):
+    """oneDNN's bf16 GEMMs beat the kernel past 48 rows per expert where they are native; where
+    the CPU has no bf16 arithmetic they are emulated, and the kernel keeps every row count."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16_arithmetic)
+    experts = make_experts(torch.bfloat16)
+    experts.packed_experts = pack_experts(experts)
+    hidden, index, weights = make_tokens(300, torch.bfloat16)  # 75 rows per expert on average
+    got = experts_forward(experts, hidden, index, weights)
+    kernel = run_kernel(experts, hidden, index, weights)
+    transformers_path = grouped_mm_experts_forward(experts, hidden, index, weights)
+    assert not torch.equal(kernel, transformers_path)  # the two paths are told apart
+    assert torch.equal(got, transformers_path if bf16_arithmetic else kernel)
+    few = slice(0, 7)  # under the limit: the kernel either way
+    assert torch.equal(experts_forward(experts, hidden[few], index[few], weights[few]),
+                       run_kernel(experts, hidden[few], index[few], weights[few]))
