@@ -136,7 +136,6 @@ def test_experts_forward_falls_back_where_the_kernel_does_not_serve():
     assert not can_pack_experts(experts)
 
 
-
 @pytest.mark.parametrize("bf16_arithmetic", [True, False])
 @torch.inference_mode()
 def test_bf16_rows_past_the_limit_go_to_grouped_mm_only_where_the_cpu_computes_bf16(
