@@ -21,6 +21,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(params=[True, False], ids=["bf16-cpu", "fp32-only-cpu"])
+def bf16_arithmetic(request, monkeypatch) -> bool:
+    """The CPU's answer to "do you have AVX-512 BF16?" (`cpu_features.cpu_computes_bf16`),
+    both ways."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: request.param)
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")

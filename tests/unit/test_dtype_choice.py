@@ -17,13 +17,6 @@ def checkpoint(dtype: str | None) -> LlamaConfig:
     return config
 
 
-@pytest.fixture(params=[True, False], ids=["bf16-cpu", "fp32-only-cpu"])
-def bf16_arithmetic(request, monkeypatch) -> bool:
-    """The CPU's answer to "do you have AVX-512 BF16?", both ways."""
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: request.param)
-    return request.param
-
-
 def test_a_bf16_checkpoint_runs_in_bf16_on_a_cpu_only_where_the_cpu_computes_in_it(
         bf16_arithmetic, caplog):
     assert cpu_computes_bf16() is bf16_arithmetic
